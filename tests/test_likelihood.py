@@ -1,0 +1,162 @@
+"""The likelihood Γ of eq. (21) and the tilted source: solving ∂F/∂ζ(ζ*) = z."""
+
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import optax
+import pytest
+from test_energy import make_masking, make_qkv, np_kw
+
+from treeattn.energy import (
+    TiltedSource,
+    energy_attention,
+    log_likelihood,
+    multihead_free_energy,
+    tilted_source,
+)
+
+
+SHAPE = (4, 9, 4, 2, 8, 3)  # kv_seq > dv + 1: a reachable z has a unique source
+
+
+def _np_kl(q, k, v, zeta, **kw):
+    """KL(p_ζ || p_0) per query, from the float64 free energies."""
+    f_zeta = ref.free_energy_terms(q, k, v, zeta, **kw)
+    f_zero = ref.free_energy_terms(q, k, v, np.zeros_like(zeta), **kw)
+    mean = ref.tilted_mean(q, k, v, zeta, **kw)
+    return np.sum(mean * ref.f64(zeta), axis=-1) - f_zeta + f_zero
+
+
+@pytest.mark.parametrize("masking", ["none", "causal", "mask3d"])
+def test_attention_output_has_zero_source(masking, getkey):
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    kw = make_masking(getkey, SHAPE, masking)
+    z = energy_attention(q, k, v, **kw)
+    sol = tilted_source(z, q, k, v, **kw)
+    assert isinstance(sol, TiltedSource)
+    assert bool(sol.converged)
+    np.testing.assert_allclose(sol.zeta, 0.0, atol=1e-4)
+    np.testing.assert_allclose(sol.kl, 0.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("masking", ["none", "causal_cache", "mask2d"])
+def test_recovers_a_reachable_source(masking, getkey):
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    kw = make_masking(getkey, SHAPE, masking)
+    zeta_true = jax.random.normal(getkey(), (SHAPE[0], SHAPE[2], SHAPE[5]))
+    z = jnp.asarray(ref.tilted_mean(q, k, v, zeta_true, **np_kw(kw)), jnp.float32)
+    sol = tilted_source(z, q, k, v, **kw)
+    assert bool(sol.converged), (sol.residual, sol.num_steps)
+    assert 0 < int(sol.num_steps) < 200
+    # The defining equation, checked in float64: ∂F/∂ζ(ζ*) = z.
+    reached = ref.tilted_mean(q, k, v, sol.zeta, **np_kw(kw))
+    tol = 1e-5 * float(jnp.max(jnp.abs(v)))
+    assert np.max(np.abs(reached - ref.f64(z))) <= 2 * tol
+    np.testing.assert_allclose(sol.kl, _np_kl(q, k, v, sol.zeta, **np_kw(kw)), atol=1e-4)
+    assert np.all(np.asarray(sol.kl) >= -1e-5)
+
+
+def test_underdetermined_source_is_minimum_norm(getkey):
+    """Two visible keys and dv = 3: only the direction v_1 - v_0 matters."""
+    q, k, v = make_qkv(getkey, (1, 2, 1, 1, 4, 3), jnp.float32)
+    z = (0.3 * v[0, 0] + 0.7 * v[1, 0])[None, None]
+    sol = tilted_source(z, q, k, v)
+    assert bool(sol.converged)
+    direction = np.asarray(v[1, 0] - v[0, 0], np.float64)
+    zeta = np.asarray(sol.zeta[0, 0], np.float64)
+    # ζ* is parallel to v_1 - v_0 ...
+    cos = abs(zeta @ direction) / (np.linalg.norm(zeta) * np.linalg.norm(direction))
+    np.testing.assert_allclose(cos, 1.0, atol=1e-5)
+    # ... and tilts the logit gap to log(0.7 / 0.3).
+    logit = np.asarray(k[:, 0] @ q[0, 0], np.float64) / 2.0
+    gap = (logit[1] + zeta @ v[1, 0]) - (logit[0] + zeta @ v[0, 0])
+    np.testing.assert_allclose(gap, np.log(0.7 / 0.3), rtol=1e-4)
+
+
+def test_unreachable_target_does_not_converge(getkey):
+    q, k, v = make_qkv(getkey, (1, 3, 1, 1, 4, 2), jnp.float32)
+    z = (10.0 * jnp.max(jnp.abs(v)) * jnp.ones(2))[None, None]  # outside the convex hull
+    sol = tilted_source(z, q, k, v, max_steps=30)
+    assert not bool(sol.converged)
+    assert int(sol.num_steps) == 30
+    assert np.isfinite(sol.zeta).all()
+
+
+def test_empty_queries_get_zero_source(getkey):
+    q, k, v = make_qkv(getkey, (3, 6, 2, 1, 4, 2), jnp.float32)
+    mask = jnp.ones((3, 6), bool).at[1].set(False)
+    zeta_true = jax.random.normal(getkey(), (3, 2, 2))
+    z = jax.grad(multihead_free_energy, argnums=3)(q, k, v, zeta_true, mask=mask)
+    z = z.at[1].set(5.0)  # whatever is asked of an empty query, there is nothing to tilt
+    sol = tilted_source(z, q, k, v, mask=mask)
+    assert bool(sol.converged)
+    assert np.all(sol.zeta[1] == 0) and np.all(sol.kl[1] == 0)
+    rows = np.array([0, 2])
+    np.testing.assert_allclose(sol.zeta[rows], zeta_true[rows], atol=5e-3)
+
+
+def test_other_optax_solver(getkey):
+    q, k, v = make_qkv(getkey, (2, 5, 1, 1, 4, 2), jnp.float32)
+    zeta_true = 0.5 * jax.random.normal(getkey(), (2, 1, 2))
+    z = jax.grad(multihead_free_energy, argnums=3)(q, k, v, zeta_true)
+    # optax.adam mixes its integer step count with floats, which strict promotion rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        sol = tilted_source(z, q, k, v, solver=optax.adam(0.05), max_steps=3000, rtol=1e-4)
+    assert bool(sol.converged)
+    np.testing.assert_allclose(sol.zeta, zeta_true, atol=2e-2)
+
+
+def test_jit_and_float64(getkey):
+    # optax.lbfgs mixes int32 and int64 counters under x64, which strict promotion rejects.
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+        q, k, v = make_qkv(getkey, SHAPE, jnp.float64)
+        zeta_true = jax.random.normal(getkey(), (SHAPE[0], SHAPE[2], SHAPE[5]), jnp.float64)
+        # Every query sees at least dv + 1 keys, so the source is unique.
+        kw = {"causal": True, "q_offset": SHAPE[1] - SHAPE[0]}
+        z = jnp.asarray(ref.tilted_mean(q, k, v, zeta_true, **kw))
+        sol = jax.jit(lambda z, q, k, v: tilted_source(z, q, k, v, rtol=1e-10, **kw))(z, q, k, v)
+        assert sol.zeta.dtype == jnp.float64
+        assert bool(sol.converged)
+        np.testing.assert_allclose(sol.zeta, zeta_true, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("masking", ["none", "causal", "mask3d"])
+def test_log_likelihood_value_and_stationarity(masking, getkey):
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    kw = make_masking(getkey, SHAPE, masking)
+    zeta = jax.random.normal(getkey(), (SHAPE[0], SHAPE[2], SHAPE[5]))
+    z = jax.random.normal(getkey(), zeta.shape)
+    terms = ref.free_energy_terms(q, k, v, zeta, **np_kw(kw))
+    live = np.isfinite(terms)
+    expected = np.sum(np.where(live, np.sum(ref.f64(z) * ref.f64(zeta), -1) - terms, 0.0))
+    np.testing.assert_allclose(log_likelihood(zeta, z, q, k, v, **kw), expected, rtol=1e-5)
+    # ∂Γ/∂ζ = z - ∂F/∂ζ and ∂Γ/∂z = ζ (on queries that see something).
+    d_zeta, d_z = jax.grad(log_likelihood, argnums=(0, 1))(zeta, z, q, k, v, **kw)
+    mean = ref.tilted_mean(q, k, v, zeta, **np_kw(kw))
+    np.testing.assert_allclose(d_zeta, np.where(live[..., None], z - mean, 0.0), atol=1e-5)
+    np.testing.assert_allclose(d_z, np.where(live[..., None], zeta, 0.0), atol=1e-6)
+    # Stationary at (0, attention).
+    att = energy_attention(q, k, v, **kw)
+    d_zeta, d_z = jax.grad(log_likelihood, argnums=(0, 1))(jnp.zeros_like(zeta), att, q, k, v, **kw)
+    np.testing.assert_allclose(d_zeta, 0.0, atol=1e-6)
+    np.testing.assert_allclose(d_z, 0.0, atol=0)
+
+
+def test_source_maximises_likelihood(getkey):
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    zeta_true = jax.random.normal(getkey(), (SHAPE[0], SHAPE[2], SHAPE[5]))
+    z = jax.grad(multihead_free_energy, argnums=3)(q, k, v, zeta_true, causal=True)
+    sol = tilted_source(z, q, k, v, causal=True)
+    best = log_likelihood(sol.zeta, z, q, k, v, causal=True)
+    for _ in range(5):
+        other = sol.zeta + 0.1 * jax.random.normal(getkey(), sol.zeta.shape)
+        assert log_likelihood(other, z, q, k, v, causal=True) < best
+
+
+def test_bad_target_shape():
+    q, k, v = jnp.zeros((2, 2, 4)), jnp.zeros((3, 1, 4)), jnp.zeros((3, 1, 5))
+    with pytest.raises(ValueError, match=r"tilted_source: z must have shape \[q_seq, heads, dv\]"):
+        tilted_source(jnp.zeros((2, 2, 4)), q, k, v)
+    with pytest.raises(ValueError, match=r"log_likelihood: z must have shape"):
+        log_likelihood(jnp.zeros((2, 2, 5)), jnp.zeros((2, 5)), q, k, v)

@@ -1,0 +1,8 @@
+"""treeattn: attention as the gradient of a free energy, and tree-reduced decoding over devices."""
+
+import importlib.metadata
+
+from . import decode as decode, energy as energy, models as models
+
+
+__version__ = importlib.metadata.version("treeattn")

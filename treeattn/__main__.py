@@ -1,0 +1,6 @@
+import sys
+
+from ._cli import main
+
+
+sys.exit(main())

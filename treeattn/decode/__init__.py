@@ -1,0 +1,1 @@
+"""Fused local attention, tree decoding and the ring baseline."""

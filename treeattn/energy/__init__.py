@@ -1,0 +1,16 @@
+"""The free energy of attention: attention as its gradient, cumulants, the likelihood view."""
+
+from ._free_energy import (
+    attention_reference as attention_reference,
+    causal_free_energy as causal_free_energy,
+    energy_attention as energy_attention,
+    free_energy as free_energy,
+    masked_logsumexp as masked_logsumexp,
+    multihead_free_energy as multihead_free_energy,
+)
+from ._likelihood import (
+    TiltedSource as TiltedSource,
+    log_likelihood as log_likelihood,
+    tilted_source as tilted_source,
+)
+from ._moments import value_covariance as value_covariance, value_moments as value_moments

@@ -1,0 +1,386 @@
+r"""The free energy of attention and attention as its gradient (paper, section 4).
+
+For one query $q$ and keys/values $(k_a, v_a)$ the free energy is the cumulant-generating
+function of the values under the attention distribution,
+
+$$F(\zeta) = \log \sum_a \exp(s\, q\cdot k_a + \zeta\cdot v_a),$$
+
+and attention is its gradient at the source $\zeta = 0$:
+$\partial F/\partial\zeta|_0 = \sum_a p_a v_a$ with $p = \mathrm{softmax}(s\, q\cdot k)$.
+Many queries and heads add up (eqs. 16, 18-19): $F_\mathrm{tot} = \sum_{i,h} F_{i,h}(\zeta_{i,h})$,
+so one gradient gives every output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jaxtyping import Array, Bool, Float, Int
+
+from ._checks import (
+    Dims,
+    check_multihead,
+    check_q_offset,
+    compute_dtype,
+    default_scale,
+    visibility,
+)
+
+
+Tilt = Callable[[Array, Array], Array]
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared core
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_logsumexp(
+    x: Float[Array, "*batch n"], visible: Bool[Array, "*#batch #n"] | None
+) -> Float[Array, "*batch"]:
+    r"""$\log\sum_{a\ \mathrm{visible}} e^{x_a}$ over the last axis, max-shifted (Appendix 11).
+
+    The shift $m = \max_a x_a$ is held constant under differentiation: $F$ does not depend on
+    it (eq. 38), so its derivative would only add terms that cancel. A row with no visible entry
+    has $Z = 0$ and returns $-\infty$; every derivative of it is exactly 0 (no NaN), because the
+    masked entries carry weight $e^{-\infty} = 0$ and the logarithm only ever sees $Z \ge 1$.
+    """
+    if visible is not None:
+        x = jnp.where(visible, x, -jnp.inf)
+    m = lax.stop_gradient(jnp.max(x, axis=-1, initial=-jnp.inf))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    z = jnp.sum(jnp.exp(x - m[..., None]), axis=-1)
+    # The visible maximum contributes e^0 = 1, so a non-empty row has z >= 1.
+    nonempty = z > 0
+    return jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, z, 1.0)), -jnp.inf)
+
+
+def _rows(x: Array, dims: Dims) -> Array:
+    """[q_seq, heads, d] -> [kv_heads, group * q_seq, d]: the query rows of each kv head.
+
+    Attention then is a batch (over kv heads) of plain matrix products, with no K/V copies for
+    GQA; this layout lets XLA run both products as batched GEMMs (the 4-d grouped einsum is
+    2-3x slower on CPU).
+    """
+    t, kh, g = dims.q_seq, dims.kv_heads, dims.group
+    return x.reshape(t, kh, g, x.shape[-1]).transpose(1, 2, 0, 3).reshape(kh, g * t, x.shape[-1])
+
+
+def _unrows(x: Array, dims: Dims) -> Array:
+    """Inverse of `_rows`: [kv_heads, group * q_seq, d] -> [q_seq, heads, d]."""
+    t, kh, g = dims.q_seq, dims.kv_heads, dims.group
+    return x.reshape(kh, g, t, x.shape[-1]).transpose(2, 0, 1, 3).reshape(t, kh * g, x.shape[-1])
+
+
+def _tilt(zeta: Array, v: Array) -> Array:
+    """The source term ζ·v_a of every (kv head, query row, key): zeta in the `_rows` layout."""
+    return jnp.einsum("kmv,skv->kms", zeta, v)
+
+
+@jax.custom_jvp
+def _tilt_at_zero(zeta: Array, v: Array) -> Array:
+    """ζ·v_a at the point ζ = 0, which the caller knows at trace time.
+
+    The value there is 0, so the product is not computed; the derivative in ζ is the exact one
+    (∂(ζ·v_a)/∂ζ = v_a), and the one in v, ζ·dv, vanishes at ζ = 0. This saves a third of the
+    FLOPs of `jax.grad` of the free energy while keeping it a gradient of F. Exact to every order
+    in which ζ is differentiated first (energy_attention and then anything; cumulants).
+    """
+    kv_heads, rows, _ = zeta.shape
+    return jnp.zeros((kv_heads, rows, v.shape[0]), zeta.dtype)
+
+
+def _tilt_at_zero_jvp(primals, tangents):
+    zeta, v = primals
+    dzeta, _ = tangents
+    out = _tilt_at_zero(zeta, v)
+    if isinstance(dzeta, SymbolicZero):
+        # Differentiating in q, k or v only: the tilt stays 0.
+        return out, jnp.zeros_like(out)
+    return out, _tilt(dzeta, v)
+
+
+_tilt_at_zero.defjvp(_tilt_at_zero_jvp, symbolic_zeros=True)
+
+
+def energy_terms(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    zeta: Float[Array, "q_seq heads dv"] | None,
+    visible: Bool[Array, "#kv_heads #group #q_seq kv_seq"] | None,
+    scale: float,
+    dims: Dims,
+    tilt: Tilt = _tilt,
+) -> Float[Array, "q_seq heads"]:
+    r"""$F_{i,h}(\zeta_{i,h}) = \log\sum_{a\ \mathrm{visible}} \exp(s\,q_{i,h}\cdot k_{a,g(h)} +
+    \zeta_{i,h}\cdot v_{a,g(h)})$ for every query $i$ and head $h$, in at least float32.
+
+    Query head $h$ reads key/value head $g(h) = \lfloor h / (\mathrm{heads}/\mathrm{kv\_heads})
+    \rfloor$ (GQA/MQA) without copying K or V. `zeta=None` means ζ = 0.
+    """
+    ct = compute_dtype(q.dtype)
+    logits = jnp.einsum("kmd,skd->kms", _rows(q.astype(ct), dims), k.astype(ct))
+    logits = logits * jnp.asarray(scale, ct)
+    if zeta is not None:
+        logits = logits + tilt(_rows(zeta.astype(ct), dims), v.astype(ct))
+    shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
+    lse = masked_logsumexp(logits.reshape(shape), visible)  # [kv_heads, group, q_seq]
+    return lse.reshape(dims.heads, dims.q_seq).T
+
+
+# ---------------------------------------------------------------------------------------------
+# Public energies
+# ---------------------------------------------------------------------------------------------
+
+
+def free_energy(
+    q: Float[Array, " qk"],
+    k: Float[Array, "kv qk"],
+    v: Float[Array, "kv dv"],
+    zeta: Float[Array, " dv"],
+    *,
+    mask: Bool[Array, " kv"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, ""]:
+    r"""The free energy of one query (eq. 15).
+
+    $$F(\zeta) = \log \sum_{a\,:\,\mathrm{mask}_a} \exp\big(s\, q\cdot k_a + \zeta\cdot v_a\big)$$
+
+    computed as a max-shifted log-sum-exp (Appendix 11), in at least float32. Its gradient in
+    $\zeta$ at 0 is the attention output, its Hessian the covariance of the values.
+
+    **Arguments:**
+
+    - `q`: the query, `[qk]`.
+    - `k`, `v`: keys `[kv, qk]` and values `[kv, dv]`.
+    - `zeta`: the source $\zeta$, `[dv]`.
+    - `mask`: optional boolean `[kv]`, True where the key is visible.
+    - `scale`: $s$, default $1/\sqrt{qk}$.
+
+    **Returns:** the scalar $F$ in float32 (float64 for float64 inputs). With no visible key the
+    partition function is empty and $F = -\infty$; its derivatives are 0.
+
+    ```python
+    q, k, v = jnp.ones(4), jnp.ones((3, 4)), jnp.arange(6.0).reshape(3, 2)
+    out = jax.grad(free_energy, argnums=3)(q, k, v, jnp.zeros(2))  # = v.mean(0)
+    ```
+    """
+    fn = "free_energy"
+    if jnp.ndim(q) != 1:
+        raise ValueError(f"{fn}: q must have shape [qk], got shape {jnp.shape(q)}")
+    if jnp.ndim(k) != 2 or jnp.ndim(v) != 2:
+        raise ValueError(
+            f"{fn}: k must have shape [kv, qk] and v [kv, dv], got {jnp.shape(k)} and "
+            f"{jnp.shape(v)}"
+        )
+    if jnp.ndim(zeta) != 1:
+        raise ValueError(f"{fn}: zeta must have shape [dv], got shape {jnp.shape(zeta)}")
+    if mask is not None and jnp.ndim(mask) != 1:
+        raise ValueError(f"{fn}: mask must have shape [kv], got shape {jnp.shape(mask)}")
+    f = _multihead(
+        fn,
+        q[None, None],
+        k[:, None],
+        v[:, None],
+        zeta[None, None],
+        causal=False,
+        mask=None if mask is None else jnp.asarray(mask)[None],
+        scale=scale,
+        q_offset=0,
+    )
+    return f
+
+
+def causal_free_energy(
+    q: Float[Array, "q_seq qk"],
+    k: Float[Array, "kv_seq qk"],
+    v: Float[Array, "kv_seq dv"],
+    zeta: Float[Array, "q_seq dv"],
+    *,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+) -> Float[Array, ""]:
+    r"""The causal free energy $F_\mathrm{tot}$ of eq. (16), one source per query.
+
+    $$F_\mathrm{tot} = \sum_i \log \sum_{a \le q_\mathrm{offset} + i}
+      \exp\big(s\, q_i\cdot k_a + \zeta_i\cdot v_a\big)$$
+
+    Masking is bottom-right aligned by absolute position: query $i$ sits at position
+    `q_offset + i`, so a chunk of queries appended after a cache of $n$ tokens passes
+    `q_offset=n` (JAX's own `is_causal` aligns top-left and would let the first such query see
+    only key 0). `q_offset` may be traced, so a decode loop does not recompile.
+
+    **Arguments:** `q[q_seq, qk]`, `k[kv_seq, qk]`, `v[kv_seq, dv]`, `zeta[q_seq, dv]`, `scale`
+    (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array).
+
+    **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs).
+    """
+    fn = "causal_free_energy"
+    for name, x, want in (
+        ("q", q, "[q_seq, qk]"),
+        ("k", k, "[kv_seq, qk]"),
+        ("v", v, "[kv_seq, dv]"),
+        ("zeta", zeta, "[q_seq, dv]"),
+    ):
+        if jnp.ndim(x) != 2:
+            raise ValueError(f"{fn}: {name} must have shape {want}, got shape {jnp.shape(x)}")
+    return _multihead(
+        fn,
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        zeta[:, None],
+        causal=True,
+        mask=None,
+        scale=scale,
+        q_offset=q_offset,
+    )
+
+
+def multihead_free_energy(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    zeta: Float[Array, "q_seq heads dv"],
+    *,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+) -> Float[Array, ""]:
+    r"""The multi-head free energy of eqs. (18-19), with grouped key/value heads.
+
+    $$F_\mathrm{tot} = \sum_{i,h} \log \sum_{a\ \mathrm{visible}}
+      \exp\big(s\, q_{i,h}\cdot k_{a,g(h)} + \zeta_{i,h}\cdot v_{a,g(h)}\big)$$
+
+    where query head $h$ reads key/value head $g(h) = \lfloor h\, \mathrm{kv\_heads} /
+    \mathrm{heads}\rfloor$: `heads == kv_heads` is MHA, `kv_heads == 1` MQA, anything between GQA.
+
+    **Arguments:**
+
+    - `q`: `[q_seq, heads, qk]`; `k`: `[kv_seq, kv_heads, qk]`; `v`: `[kv_seq, kv_heads, dv]`.
+    - `zeta`: the sources, `[q_seq, heads, dv]`.
+    - `causal`: bottom-right causal mask by absolute position (see `causal_free_energy`).
+    - `mask`: boolean `[q_seq, kv_seq]` (all heads) or `[heads, q_seq, kv_seq]`; True = visible.
+      Combined with `causal` by "and".
+    - `scale`: default $1/\sqrt{qk}$. `q_offset`: position of query 0 (int or traced scalar).
+
+    **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
+    with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
+    $F_\mathrm{tot} = -\infty$; gradients stay finite and are 0 for that query.
+    """
+    return _multihead(
+        "multihead_free_energy",
+        q,
+        k,
+        v,
+        zeta,
+        causal=causal,
+        mask=mask,
+        scale=scale,
+        q_offset=q_offset,
+    )
+
+
+def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset) -> Array:
+    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
+    check_q_offset(fn, q_offset)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    terms = energy_terms(q, k, v, zeta, vis, default_scale(dims.qk, scale), dims)
+    return jnp.sum(terms)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention as a gradient, and its reference twin
+# ---------------------------------------------------------------------------------------------
+
+
+def energy_attention(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+) -> Float[Array, "q_seq heads dv"]:
+    r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
+
+    $$z_{i,h} = \frac{\partial F_\mathrm{tot}}{\partial \zeta_{i,h}}\Big|_{\zeta=0}
+      = \sum_a \mathrm{softmax}_a(s\, q_{i,h}\cdot k_{a,g(h)})\, v_{a,g(h)}$$
+
+    This is `jax.grad` of [`multihead_free_energy`][treeattn.energy.multihead_free_energy] in
+    $\zeta$, evaluated at the point $\zeta = 0$, which is known at trace time: the source term
+    $\zeta\cdot v_a$ is 0 there and is not computed (a custom JVP supplies its exact derivative),
+    so the cost is that of ordinary attention rather than 1.5x. The result is differentiable in
+    q, k and v (a second derivative of $F$), so models train through it.
+
+    **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
+    `zeta`.
+
+    **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs (arithmetic in float32 or
+    wider). A query with no visible key gets 0.
+
+    ```python
+    q = jax.random.normal(jax.random.key(0), (5, 8, 16))
+    k = v = jax.random.normal(jax.random.key(1), (5, 2, 16))   # GQA: 8 query heads, 2 kv heads
+    out = energy_attention(q, k, v, causal=True)               # [5, 8, 16]
+    ```
+    """
+    fn = "energy_attention"
+    dims = check_multihead(fn, q, k, v, mask=mask)
+    check_q_offset(fn, q_offset)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    s = default_scale(dims.qk, scale)
+    zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
+
+    def total(zeta):
+        return jnp.sum(energy_terms(q, k, v, zeta, vis, s, dims, tilt=_tilt_at_zero))
+
+    with jax.named_scope("energy_attention"):
+        out = jax.grad(total)(zeta)
+    return out.astype(q.dtype)
+
+
+def attention_reference(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+) -> Float[Array, "q_seq heads dv"]:
+    r"""Softmax attention written out in float32: the twin of
+    [`energy_attention`][treeattn.energy.energy_attention], with the same signature.
+
+    $$z_{i,h} = \sum_a \frac{e^{s\,q_{i,h}\cdot k_{a,g(h)}}}{\sum_b e^{s\,q_{i,h}\cdot
+      k_{b,g(h)}}}\, v_{a,g(h)}$$
+
+    **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs; 0 for a query with no visible
+    key.
+    """
+    fn = "attention_reference"
+    dims = check_multihead(fn, q, k, v, mask=mask)
+    check_q_offset(fn, q_offset)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    ct = compute_dtype(q.dtype)
+    shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
+    logits = jnp.einsum("kmd,skd->kms", _rows(q.astype(ct), dims), k.astype(ct)).reshape(shape)
+    logits = logits * jnp.asarray(default_scale(dims.qk, scale), ct)
+    if vis is not None:
+        logits = jnp.where(vis, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    rows = dims.kv_heads, dims.group * dims.q_seq, dims.kv_seq
+    out = jnp.einsum("kms,skv->kmv", p.reshape(rows), v.astype(ct))
+    return _unrows(out, dims).astype(q.dtype)

@@ -1,0 +1,1 @@
+"""Equinox layers and a Llama-style decoder on treeattn attention."""
