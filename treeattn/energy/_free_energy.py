@@ -107,6 +107,18 @@ def _tilt_at_zero_jvp(primals, tangents):
 _tilt_at_zero.defjvp(_tilt_at_zero_jvp, symbolic_zeros=True)
 
 
+def scaled_logits(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    dims: Dims,
+    scale: float,
+) -> Float[Array, "kv_heads rows kv_seq"]:
+    r"""$s\,q_{i,h}\cdot k_{a,g(h)}$ in the `_rows` layout, in at least float32."""
+    ct = compute_dtype(q.dtype)
+    logits = jnp.einsum("kmd,skd->kms", _rows(q.astype(ct), dims), k.astype(ct))
+    return logits * jnp.asarray(scale, ct)
+
+
 def energy_terms(
     q: Float[Array, "q_seq heads qk"],
     k: Float[Array, "kv_seq kv_heads qk"],
@@ -124,8 +136,7 @@ def energy_terms(
     \rfloor$ (GQA/MQA) without copying K or V. `zeta=None` means ζ = 0.
     """
     ct = compute_dtype(q.dtype)
-    logits = jnp.einsum("kmd,skd->kms", _rows(q.astype(ct), dims), k.astype(ct))
-    logits = logits * jnp.asarray(scale, ct)
+    logits = scaled_logits(q, k, dims, scale)
     if zeta is not None:
         logits = logits + tilt(_rows(zeta.astype(ct), dims), v.astype(ct))
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)

@@ -13,6 +13,7 @@ $\max_\zeta\Gamma = \mathrm{KL}(p\,\|\,p^{(0)}) - F(0)$.
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import equinox as eqx
@@ -31,7 +32,7 @@ from ._checks import (
     nonempty,
     visibility,
 )
-from ._free_energy import energy_terms
+from ._free_energy import _rows, _unrows, energy_terms, masked_logsumexp, scaled_logits
 
 
 def log_likelihood(
@@ -73,22 +74,23 @@ def log_likelihood(
 
 
 class TiltedSource(eqx.Module):
-    r"""The result of [`tilted_source`][treeattn.energy.tilted_source].
+    r"""The result of [`tilted_source`][treeattn.energy.tilted_source], per query and head.
 
     - `zeta`: the source $\zeta^*$, `[q_seq, heads, dv]`, in float32 (float64 for float64
       inputs).
-    - `kl`: $\mathrm{KL}(p_{\zeta^*}\,\|\,p_0)$ for each query and head, `[q_seq, heads]`: how
-      far the attention weights must move for the head to output `z`.
-    - `residual`: $\max |\partial F/\partial\zeta(\zeta^*) - z|$ over all queries (scalar).
-    - `num_steps`: solver iterations taken.
-    - `converged`: whether `residual` met the tolerance.
+    - `kl`: $\mathrm{KL}(p_{\zeta^*}\,\|\,p_0)$, `[q_seq, heads]`: how far the attention
+      weights must move for the head to output `z`.
+    - `residual`: $\max |\partial F/\partial\zeta(\zeta^*) - z|$, `[q_seq, heads]`.
+    - `num_steps`: solver iterations, `[q_seq, heads]`.
+    - `converged`: whether `residual` met the tolerance, `[q_seq, heads]`; `z` outside the
+      convex hull of the visible values shows up here as False.
     """
 
     zeta: Float[Array, "q_seq heads dv"]
     kl: Float[Array, "q_seq heads"]
-    residual: Float[Array, ""]
-    num_steps: Int[Array, ""]
-    converged: Bool[Array, ""]
+    residual: Float[Array, "q_seq heads"]
+    num_steps: Int[Array, "q_seq heads"]
+    converged: Bool[Array, "q_seq heads"]
 
 
 def tilted_source(
@@ -102,7 +104,7 @@ def tilted_source(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     solver: optax.GradientTransformation | None = None,
-    max_steps: int = 500,
+    max_steps: int = 200,
     rtol: float = 1e-5,
     atol: float = 0.0,
 ) -> TiltedSource:
@@ -112,8 +114,9 @@ def tilted_source(
     $$\zeta^* = \arg\max_\zeta\, \Gamma(\zeta, z) = \arg\min_\zeta\, \sum_{i,h}
       F_{i,h}(\zeta_{i,h}) - z_{i,h}\cdot\zeta_{i,h}$$
 
-    a smooth convex problem, solved from $\zeta = 0$ by L-BFGS (`optax.lbfgs` with a zoom line
-    search) or any optax `solver`. `z` = attention gives $\zeta^* = 0$ at step 0.
+    a smooth convex problem that separates over queries: each (query, head) is solved on its own
+    from $\zeta = 0$ by L-BFGS (`optax.lbfgs` with a zoom line search) or any optax `solver`,
+    all of them vectorised. `z` = attention gives $\zeta^* = 0$ at step 0.
 
     A solution exists when each $z_{i,h}$ lies in the relative interior of the convex hull of the
     values the query sees; it is unique up to directions in which those values do not vary, and
@@ -125,8 +128,9 @@ def tilted_source(
     - `z`: target outputs `[q_seq, heads, dv]`; `q`, `k`, `v`, `causal`, `mask`, `scale`,
       `q_offset` as in [`multihead_free_energy`][treeattn.energy.multihead_free_energy].
     - `solver`: an optax transformation; default `optax.lbfgs()`.
-    - `max_steps`: iteration cap. Stops when
-      $\max|\partial F/\partial\zeta - z| \le \mathrm{atol} + \mathrm{rtol}\cdot\max|v|$.
+    - `max_steps`: iteration cap per query. A query stops when
+      $\max|\partial F/\partial\zeta - z| \le \mathrm{atol} + \mathrm{rtol}\cdot\max_a|v_a|$
+      (over the values it sees).
 
     **Returns:** a [`TiltedSource`][treeattn.energy.TiltedSource]. Queries with no visible key
     get $\zeta^* = 0$ and KL 0.
@@ -137,21 +141,50 @@ def tilted_source(
     if max_steps < 0:
         raise ValueError(f"{fn}: max_steps must be >= 0, got {max_steps}")
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
-    live = nonempty(dims, vis)
-    s = default_scale(dims.qk, scale)
     ct = compute_dtype(q.dtype)
-    target = jnp.where(live[..., None], z.astype(ct), 0.0)
-    tol = atol + rtol * jnp.max(jnp.abs(v.astype(ct)), initial=0.0)
+    # The problem separates over queries: solve each (query, head) on its own, so that every one
+    # gets its own line search and curvature memory (one joint L-BFGS converges at the pace of
+    # the worst-conditioned query). Logits are computed once.
+    logits = scaled_logits(q, k, dims, default_scale(dims.qk, scale))  # [kh, g*t, kv]
+    rows = (dims.kv_heads, dims.group * dims.q_seq, dims.kv_seq)
+    if vis is None:
+        vis_rows = jnp.ones(rows, bool)
+    else:
+        vis_rows = jnp.broadcast_to(
+            vis, (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
+        ).reshape(rows)
+    opt = optax.with_extra_args_support(optax.lbfgs() if solver is None else solver)
+    solve = functools.partial(_solve_one, opt=opt, max_steps=max_steps, rtol=rtol, atol=atol)
+    v_heads = jnp.swapaxes(v.astype(ct), 0, 1)  # [kv_heads, kv_seq, dv]
+    per_head = jax.vmap(solve, in_axes=(0, 0, None, 0))  # over the query rows of one kv head
+    with jax.named_scope("tilted_source"):
+        zeta, kl, res, steps, ok = jax.vmap(per_head)(
+            logits, vis_rows, v_heads, _rows(z.astype(ct), dims)
+        )
+    per_query = lambda x: _unrows(x[..., None], dims)[..., 0]  # noqa: E731
+    return TiltedSource(
+        zeta=_unrows(zeta, dims),
+        kl=per_query(kl),
+        residual=per_query(res),
+        num_steps=per_query(steps),
+        converged=per_query(ok),
+    )
 
-    def per_query(zeta: Array) -> Array:
-        return jnp.where(live, energy_terms(q, k, v, zeta, vis, s, dims), 0.0)
+
+def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
+    """One query: minimise F(ζ) - z·ζ with F(ζ) = log Σ_visible exp(x_a + ζ·v_a), from ζ = 0."""
+    empty = ~jnp.any(visible)
+    z = jnp.where(empty, 0.0, z)
+    tol = atol + rtol * jnp.max(jnp.where(visible[:, None], jnp.abs(v), 0.0), initial=0.0)
+
+    def energy(zeta: Array) -> Array:
+        f = masked_logsumexp(x + v @ zeta, visible)
+        return jnp.where(empty, 0.0, f)
 
     def objective(zeta: Array) -> Array:
-        # -Γ: F minus the linear term; convex in ζ.
-        return jnp.sum(per_query(zeta)) - jnp.sum(target * zeta)
+        return energy(zeta) - z @ zeta
 
     value_and_grad = jax.value_and_grad(objective)
-    opt = optax.with_extra_args_support(optax.lbfgs() if solver is None else solver)
 
     def residual(grad: Array) -> Array:
         return jnp.max(jnp.abs(grad), initial=0.0)
@@ -167,13 +200,11 @@ def tilted_source(
         value, grad = value_and_grad(zeta)
         return zeta, state, step + 1, value, grad
 
-    zeta0 = jnp.zeros((dims.q_seq, dims.heads, dims.dv), ct)
+    zeta0 = jnp.zeros_like(z)
     value0, grad0 = value_and_grad(zeta0)
     init = (zeta0, opt.init(zeta0), jnp.asarray(0, jnp.int32), value0, grad0)
-    with jax.named_scope("tilted_source"):
-        zeta, _, steps, _, grad = lax.while_loop(cond, body, init)
+    zeta, _, steps, _, grad = lax.while_loop(cond, body, init)
     res = residual(grad)
-    kl = jnp.sum(target * zeta, axis=-1) - per_query(zeta) + per_query(zeta0)
-    return TiltedSource(
-        zeta=zeta, kl=jnp.where(live, kl, 0.0), residual=res, num_steps=steps, converged=res <= tol
-    )
+    # KL(p_ζ || p_0) = z·ζ - F(ζ) + F(0), with z = ∂F/∂ζ(ζ) at the solution.
+    kl = jnp.where(empty, 0.0, z @ zeta - energy(zeta) + energy(zeta0))
+    return zeta, kl, res, steps, res <= tol
