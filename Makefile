@@ -44,6 +44,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/energy.py
+	$(BIN)/python benchmarks/reduction.py
 
 clean:
 	rm -rf .venv .venv-jax* site

@@ -13,16 +13,21 @@ from typing import Any
 import jax
 
 
-def compile_and_time(fn: Callable, *args, repeats: int = 7, warmup: int = 2) -> dict[str, Any]:
+def compile_and_time(
+    fn: Callable, *args, repeats: int = 7, warmup: int = 2, keep: dict | None = None
+) -> dict[str, Any]:
     """Compile `jax.jit(fn)` (timed on its own), warm up, then time `repeats` calls.
 
     Returns the compile time, the median and spread of the run times (seconds), and the
-    compiled FLOP count from XLA's cost analysis.
+    compiled FLOP count from XLA's cost analysis. The compiled executable is stored in
+    `keep["compiled"]` when `keep` is given.
     """
     jitted = jax.jit(fn)
     start = time.perf_counter()
     compiled = jitted.lower(*args).compile()
     compile_s = time.perf_counter() - start
+    if keep is not None:
+        keep["compiled"] = compiled
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     for _ in range(warmup):

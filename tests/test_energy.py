@@ -195,6 +195,20 @@ def test_traced_q_offset_does_not_recompile(getkey):
     assert traces == 1
 
 
+def test_eager_calls_compile_once_per_shape(getkey):
+    """Public functions jit their core: a new Python-int q_offset reuses the compiled program."""
+    from treeattn.energy import _free_energy
+
+    q, k, v = make_qkv(getkey, (2, 9, 2, 1, 4, 3), jnp.float32)
+    before = _free_energy._energy_attention._cache_size()
+    for pos in (3, 5, 7):
+        out = energy_attention(q, k, v, causal=True, q_offset=pos)
+        np.testing.assert_allclose(
+            out, ref.attention(q, k, v, causal=True, q_offset=pos), rtol=1e-5, atol=1e-6
+        )
+    assert _free_energy._energy_attention._cache_size() == before + 1
+
+
 def test_gqa_equals_mha_with_repeated_heads(getkey):
     q, k, v = make_qkv(getkey, (6, 10, 8, 2, 8, 4), jnp.float32)
     out = energy_attention(q, k, v, causal=True)

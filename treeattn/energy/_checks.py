@@ -30,6 +30,18 @@ class Dims:
         return self.heads // self.kv_heads
 
 
+def dims_of(q, k, v) -> Dims:
+    """Sizes of already validated `q[q_seq, heads, qk]`, `k[kv_seq, kv_heads, qk]`, `v`."""
+    (q_seq, heads, qk), (kv_seq, kv_heads, _), dv = q.shape, k.shape, v.shape[-1]
+    return Dims(q_seq=q_seq, kv_seq=kv_seq, heads=heads, kv_heads=kv_heads, qk=qk, dv=dv)
+
+
+def as_position(x) -> Int[Array, ""]:
+    """A query/key position (int or integer scalar) as an int32 array, so that a new position
+    does not recompile a jitted function."""
+    return jnp.asarray(x).astype(jnp.int32)
+
+
 def compute_dtype(dtype) -> jnp.dtype:
     """The dtype that softmax and log-sum-exp arithmetic runs in: at least float32."""
     dtype = jnp.dtype(dtype)
@@ -149,18 +161,21 @@ def visibility(
     causal: bool,
     mask: Bool[Array, ...] | None,
     q_offset: int | Int[Array, ""],
+    kv_offset: int | Int[Array, ""] = 0,
 ) -> Bool[Array, "kv_heads group q_seq kv_seq"] | None:
     """Which keys each (head, query) may see, shaped for the grouped layout of the core.
 
     Causal masking is bottom-right aligned by absolute position: query `i` sits at position
-    `q_offset + i` and sees key `a` iff `a <= q_offset + i` (a query appended after a cache of
-    `n` tokens passes `q_offset=n`). Returns None when every key is visible.
+    `q_offset + i`, key `a` at `kv_offset + a` (a shard of a longer sequence), and the query sees
+    the key iff its position is not later (a query appended after a cache of `n` tokens passes
+    `q_offset=n`). Returns None when every key is visible.
     """
     vis = None
     if causal:
         # int32 positions: a context of 2^31 tokens is far beyond any cache.
         q_pos = jnp.asarray(q_offset).astype(jnp.int32) + jnp.arange(dims.q_seq, dtype=jnp.int32)
-        vis = jnp.arange(dims.kv_seq, dtype=jnp.int32)[None, :] <= q_pos[:, None]
+        kv_pos = jnp.asarray(kv_offset).astype(jnp.int32) + jnp.arange(dims.kv_seq, dtype=jnp.int32)
+        vis = kv_pos[None, :] <= q_pos[:, None]
         vis = vis[None, None]
     if mask is not None:
         m = jnp.asarray(mask)

@@ -13,6 +13,7 @@ so one gradient gives every output.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -23,10 +24,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._checks import (
     Dims,
+    as_position,
     check_multihead,
     check_q_offset,
     compute_dtype,
     default_scale,
+    dims_of,
     visibility,
 )
 
@@ -299,11 +302,18 @@ def multihead_free_energy(
 
 
 def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset) -> Array:
-    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
+    check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
     check_q_offset(fn, q_offset)
+    return _total_energy(q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale)
+
+
+# The public functions validate their arguments, then call a jitted core: called eagerly they
+# compile once per shape (rather than op by op), and a new `q_offset` does not recompile.
+@functools.partial(jax.jit, static_argnames=("causal", "scale"))
+def _total_energy(q, k, v, zeta, mask, q_offset, *, causal, scale) -> Array:
+    dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
-    terms = energy_terms(q, k, v, zeta, vis, default_scale(dims.qk, scale), dims)
-    return jnp.sum(terms)
+    return jnp.sum(energy_terms(q, k, v, zeta, vis, default_scale(dims.qk, scale), dims))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,9 +354,14 @@ def energy_attention(
     out = energy_attention(q, k, v, causal=True)               # [5, 8, 16]
     ```
     """
-    fn = "energy_attention"
-    dims = check_multihead(fn, q, k, v, mask=mask)
-    check_q_offset(fn, q_offset)
+    check_multihead("energy_attention", q, k, v, mask=mask)
+    check_q_offset("energy_attention", q_offset)
+    return _energy_attention(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale"))
+def _energy_attention(q, k, v, mask, q_offset, *, causal, scale) -> Array:
+    dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     s = default_scale(dims.qk, scale)
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
@@ -378,9 +393,14 @@ def attention_reference(
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs; 0 for a query with no visible
     key.
     """
-    fn = "attention_reference"
-    dims = check_multihead(fn, q, k, v, mask=mask)
-    check_q_offset(fn, q_offset)
+    check_multihead("attention_reference", q, k, v, mask=mask)
+    check_q_offset("attention_reference", q_offset)
+    return _attention_reference(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale"))
+def _attention_reference(q, k, v, mask, q_offset, *, causal, scale) -> Array:
+    dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ct = compute_dtype(q.dtype)
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)

@@ -24,11 +24,13 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from ._checks import (
+    as_position,
     check_multihead,
     check_q_offset,
     check_source,
     compute_dtype,
     default_scale,
+    dims_of,
     nonempty,
     visibility,
 )
@@ -65,6 +67,14 @@ def log_likelihood(
     dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
     check_source(fn, z, dims, name="z")
     check_q_offset(fn, q_offset)
+    return _log_likelihood(
+        zeta, z, q, k, v, mask, as_position(q_offset), causal=causal, scale=scale
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale"))
+def _log_likelihood(zeta, z, q, k, v, mask, q_offset, *, causal, scale) -> Array:
+    dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ct = compute_dtype(q.dtype)
     live = nonempty(dims, vis)
@@ -136,10 +146,31 @@ def tilted_source(
     get $\zeta^* = 0$ and KL 0.
     """
     fn = "tilted_source"
-    dims = check_multihead(fn, q, k, v, zeta=z, zeta_name="z", mask=mask)
+    check_multihead(fn, q, k, v, zeta=z, zeta_name="z", mask=mask)
     check_q_offset(fn, q_offset)
-    if max_steps < 0:
-        raise ValueError(f"{fn}: max_steps must be >= 0, got {max_steps}")
+    if not isinstance(max_steps, int) or max_steps < 0:
+        raise ValueError(f"{fn}: max_steps must be an integer >= 0, got {max_steps!r}")
+    return _tilted_source(
+        z,
+        q,
+        k,
+        v,
+        mask,
+        as_position(q_offset),
+        jnp.asarray(rtol),
+        jnp.asarray(atol),
+        causal=causal,
+        scale=scale,
+        solver=solver,
+        max_steps=max_steps,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "solver", "max_steps"))
+def _tilted_source(
+    z, q, k, v, mask, q_offset, rtol, atol, *, causal, scale, solver, max_steps
+) -> TiltedSource:
+    dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ct = compute_dtype(q.dtype)
     # The problem separates over queries: solve each (query, head) on its own, so that every one

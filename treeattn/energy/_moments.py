@@ -8,11 +8,21 @@ moment, and so on.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import check_multihead, check_q_offset, compute_dtype, default_scale, visibility
+from ._checks import (
+    as_position,
+    check_multihead,
+    check_q_offset,
+    compute_dtype,
+    default_scale,
+    dims_of,
+    visibility,
+)
 from ._free_energy import _tilt_at_zero, energy_terms
 
 
@@ -49,8 +59,16 @@ def value_moments(
 
 
 def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset) -> Array:
-    dims = check_multihead(fn, q, k, v, mask=mask)
+    check_multihead(fn, q, k, v, mask=mask)
     check_q_offset(fn, q_offset)
+    return _cumulant_jit(
+        q, k, v, mask, as_position(q_offset), order=order, causal=causal, scale=scale
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("order", "causal", "scale"))
+def _cumulant_jit(q, k, v, mask, q_offset, *, order, causal, scale) -> Array:
+    dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     s = default_scale(dims.qk, scale)
     ct = compute_dtype(q.dtype)

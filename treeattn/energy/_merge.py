@@ -1,0 +1,206 @@
+r"""The one merge of partial attention results, and the schedules that apply it across devices.
+
+A *partial* is what one block of keys contributes for a query: its free energy at $\zeta = 0$,
+$\mathrm{lse} = \log\sum_{a \in \mathrm{block}} e^{x_a}$, and (optionally) its normalised output
+$o = \sum_{a\in\mathrm{block}} e^{x_a - \mathrm{lse}} v_a$. Because log-sum-exp is associative, two
+partials merge into the partial of the union (paper, section 5.1), and the order does not matter.
+Every path in treeattn that combines blocks — the sharded energy, tree decoding, the ring
+baseline, the blockwise local kernel — uses `merge_partials` or its p-ary form here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float
+
+
+Reduction = Literal["allreduce", "butterfly", "hierarchical"]
+REDUCTIONS: tuple[str, ...] = ("allreduce", "butterfly", "hierarchical")
+AxisName = str | tuple[str, ...]
+T = TypeVar("T")
+
+
+def merge_partials(
+    out_a: Float[Array, "*batch d"] | None,
+    lse_a: Float[Array, "*batch"],
+    out_b: Float[Array, "*batch d"] | None,
+    lse_b: Float[Array, "*batch"],
+) -> tuple[Float[Array, "*batch d"] | None, Float[Array, "*batch"]]:
+    r"""Merge two partial attention results over disjoint blocks of keys.
+
+    $$\mathrm{lse} = \log\big(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}\big), \qquad
+      o = e^{\mathrm{lse}_a - \mathrm{lse}}\, o_a + e^{\mathrm{lse}_b - \mathrm{lse}}\, o_b.$$
+
+    `lse` is the free energy at $\zeta = 0$ of the keys a partial covers; an empty block has
+    $\mathrm{lse} = -\infty$ (and any `out`) and is the identity of the merge. Computed with the
+    shift $m = \max(\mathrm{lse}_a, \mathrm{lse}_b)$, never $e^{\mathrm{lse}}$ itself (which
+    overflows float32 above 88.7). Commutative bit for bit, so devices that merge the same two
+    partials in either order hold identical results. `out` may be None (energies only).
+
+    **Returns:** `(out, lse)` of the union, in the dtypes of the inputs.
+    """
+    m = jnp.maximum(lse_a, lse_b)
+    finite = jnp.isfinite(m)
+    m_safe = jnp.where(finite, m, 0.0)
+    w_a = jnp.exp(lse_a - m_safe)
+    w_b = jnp.exp(lse_b - m_safe)
+    total = w_a + w_b
+    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
+    if out_a is None or out_b is None:
+        return None, lse
+    denom = jnp.where(finite, total, 1.0)[..., None]
+    out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / denom
+    return out.astype(out_a.dtype), lse
+
+
+def _axes(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Number of devices along `axis_name` (a name or a tuple of names), inside `shard_map`."""
+    return math.prod(lax.axis_size(a) for a in _axes(axis_name))
+
+
+def check_reduction(fn: str, reduction: str, axis_name: AxisName) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "hierarchical" and len(_axes(axis_name)) != 2:
+        raise ValueError(
+            f"{fn}: reduction='hierarchical' needs two mesh axes (slow, fast), e.g. "
+            f"('node', 'local'); got axis_name={axis_name!r}"
+        )
+
+
+def _psum_merge(out, lse, axis_name: AxisName):
+    """The p-ary form of `merge_partials` as two all-reduces: a max, then one packed sum."""
+    m = lax.pmax(lax.stop_gradient(lse), axis_name)  # the shift; pmax has no derivative rule
+    finite = jnp.isfinite(m)
+    m_safe = jnp.where(finite, m, 0.0)
+    w = jnp.exp(lse - m_safe)
+    if out is None:
+        total = lax.psum(w, axis_name)
+        num = None
+    else:
+        num, total = lax.psum((out * w[..., None], w), axis_name)
+    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
+    if num is None:
+        return None, lse
+    out = num / jnp.where(finite, total, 1.0)[..., None]
+    return out, lse
+
+
+def _butterfly(x: T, combine: Callable[[T, T], T], axis_name: AxisName) -> T:
+    """All-reduce `x` with `combine` in ceil(log2 p) rounds of `lax.ppermute` (recursive doubling).
+
+    For p not a power of two, the p devices are the real ranks of P = 2^ceil(log2 p) virtual
+    ranks. After the first round (distance P/2), the upper half of the virtual ranks mirrors the
+    lower half exactly, so a missing upper rank is stood in for by its lower twin: in the later
+    rounds that twin also sends to the missing rank's partner (a second, concurrent ppermute).
+    Every device receives once per round, and all rounds stay ceil(log2 p).
+    """
+    n = axis_size(axis_name)
+    if n == 1:
+        return x
+    rounds = math.ceil(math.log2(n))
+    half = 2 ** (rounds - 1)
+    idx = lax.axis_index(axis_name)
+
+    def permute(value, pairs: Sequence[tuple[int, int]]):
+        return jax.tree.map(lambda leaf: lax.ppermute(leaf, axis_name, perm=list(pairs)), value)
+
+    def select(flags: np.ndarray, a, b):
+        pick = jnp.asarray(flags)[idx]
+        return jax.tree.map(lambda u, w: jnp.where(pick, u, w), a, b)
+
+    # Round 0: distance `half`; a lower rank whose twin i + half does not exist keeps its value.
+    pairs = [(i, i + half) for i in range(half) if i + half < n]
+    pairs += [(j, i) for i, j in pairs]
+    received = permute(x, pairs)
+    has_partner = np.array([i >= half or i + half < n for i in range(n)])
+    x = select(has_partner, combine(x, received), x)
+    for r in range(1, rounds):
+        distance = half >> r
+        direct, via_twin = [], []
+        for i in range(n):
+            j = i ^ distance
+            if j < n:
+                direct.append((j, i))
+            else:  # j is a missing upper rank: its lower twin j - half holds the same value
+                via_twin.append((j - half, i))
+        received = permute(x, direct)
+        if via_twin:
+            from_twin = np.zeros(n, bool)
+            from_twin[[i for _, i in via_twin]] = True
+            received = select(from_twin, permute(x, via_twin), received)
+        x = combine(x, received)
+    return x
+
+
+def allreduce_partials(
+    out: Float[Array, "*batch d"] | None,
+    lse: Float[Array, "*batch"],
+    *,
+    axis_name: AxisName,
+    reduction: Reduction = "allreduce",
+) -> tuple[Float[Array, "*batch d"] | None, Float[Array, "*batch"]]:
+    r"""Merge every device's partial `(out, lse)` along `axis_name`; call inside `shard_map`.
+
+    Schedules (paper, sections 5.1 and 5.3):
+
+    - `"allreduce"`: `lax.pmax` of lse, then one `lax.psum` of the packed numerator and
+      denominator $(o\, e^{\mathrm{lse}-m},\ e^{\mathrm{lse}-m})$ — two all-reduces; XLA or NCCL
+      chooses the topology.
+    - `"butterfly"`: an explicit tree, $\lceil\log_2 p\rceil$ rounds of `lax.ppermute`, each
+      exchanging the partial and merging it with [`merge_partials`][treeattn.energy.merge_partials].
+      The result is the same on every device, but JAX's replication checker cannot see that:
+      call inside `shard_map(..., check_vma=False)`.
+    - `"hierarchical"`: `axis_name = (slow, fast)`, e.g. `("node", "local")`: all-reduce over
+      the fast axis first, then over the slow one, so only one merged partial per device
+      crosses the slow links.
+
+    **Returns:** the merged `(out, lse)`, the same on every device.
+    """
+    check_reduction("allreduce_partials", reduction, axis_name)
+    if reduction == "allreduce":
+        return _psum_merge(out, lse, axis_name)
+    if reduction == "hierarchical":
+        slow, fast = _axes(axis_name)
+        out, lse = _psum_merge(out, lse, fast)
+        return _psum_merge(out, lse, slow)
+
+    if out is None:
+        return None, _butterfly(lse, lambda a, b: merge_partials(None, a, None, b)[1], axis_name)
+    # One buffer per round: the output with its lse as one more feature.
+    d = out.shape[-1]
+    packed = jnp.concatenate([out.astype(lse.dtype), lse[..., None]], axis=-1)
+
+    def combine(a, b):
+        o, lse_ab = merge_partials(a[..., :d], a[..., d], b[..., :d], b[..., d])
+        assert o is not None
+        return jnp.concatenate([o, lse_ab[..., None]], axis=-1)
+
+    merged = _butterfly(packed, combine, axis_name)
+    return merged[..., :d].astype(out.dtype), merged[..., d]
+
+
+def allreduce_sum(x: Any, *, axis_name: AxisName, reduction: Reduction = "allreduce") -> Any:
+    """Sum a pytree over `axis_name` with the same schedule (Algorithm 2, line 5).
+
+    `"allreduce"` is one `lax.psum` of the whole pytree (a single all-reduce); `"butterfly"`
+    uses ceil(log2 p) ppermute rounds; `"hierarchical"` sums over the fast axis, then the slow.
+    """
+    check_reduction("allreduce_sum", reduction, axis_name)
+    if reduction == "allreduce":
+        return lax.psum(x, axis_name)
+    if reduction == "hierarchical":
+        slow, fast = _axes(axis_name)
+        return lax.psum(lax.psum(x, fast), slow)
+    return _butterfly(x, lambda a, b: jax.tree.map(jnp.add, a, b), axis_name)
