@@ -1,0 +1,325 @@
+"""treeattn.decode: fused local attention, tree decoding, the ring baseline — one answer."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from test_energy import TOL
+
+from treeattn.decode import (
+    BackendUnavailable,
+    flash_attention,
+    flash_attention_reference,
+    ring_decode,
+    select_backend,
+    tree_decode,
+)
+from treeattn.energy import energy_attention
+from treeattn.profiling import collective_stats
+
+
+def mesh_of(p):
+    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+
+
+def to_layout(x, layout):
+    """[batch, seq, heads, dim] -> the layout under test."""
+    return x if layout == "bshd" else jnp.swapaxes(x, 1, 2)
+
+
+def make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim, dtype=jnp.float32):
+    q = jax.random.normal(getkey(), (batch, q_seq, heads, dim), dtype)
+    k = jax.random.normal(getkey(), (batch, kv_seq, kv_heads, dim), dtype)
+    v = jax.random.normal(getkey(), (batch, kv_seq, kv_heads, dim), dtype)
+    return q, k, v
+
+
+def np_decode(q, k, v, kv_length, *, causal=False, q_offset=None):
+    """float64 NumPy (out, lse) per batch row; k, v in bshd."""
+    batch, q_seq, heads, _ = q.shape
+    kv_seq = k.shape[1]
+    outs, lses = [], []
+    for b in range(batch):
+        n = int(np.broadcast_to(kv_length, (batch,))[b])
+        mask = np.zeros((q_seq, kv_seq), bool)
+        mask[:, :n] = True
+        off = 0 if q_offset is None else int(np.broadcast_to(q_offset, (batch,))[b])
+        kw = dict(mask=mask, causal=causal, q_offset=off)
+        outs.append(ref.attention(q[b], k[b], v[b], **kw))
+        terms = ref.free_energy_terms(q[b], k[b], v[b], np.zeros((q_seq, heads, v.shape[-1])), **kw)
+        lses.append(terms.T)  # [heads, q_seq]
+    return np.stack(outs), np.stack(lses)
+
+
+def check(out, lse, expected_out, expected_lse, dtype):
+    assert ref.rel_err(out, expected_out) <= TOL[dtype]
+    assert lse.dtype == jnp.float32
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+# (batch, q_seq, heads, kv_heads, kv_seq, dim)
+SHAPES = [(2, 1, 8, 2, 37, 16), (1, 3, 4, 4, 20, 8), (3, 4, 6, 1, 45, 16)]
+# The Pallas decode kernel takes one query per row (its refusal is tested below).
+CASES = [
+    (backend, block, shape)
+    for backend, block in [("xla", None), ("xla", 8), ("reference", None), ("pallas", None)]
+    for shape in SHAPES
+    if backend != "pallas" or shape[1] == 1
+]
+
+
+@pytest.mark.parametrize(
+    "layout, dtype", [("bshd", jnp.float32), ("bhsd", jnp.float32), ("bhsd", jnp.bfloat16)]
+)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend, block, shape", CASES, ids=str)
+def test_flash_attention_matches_numpy(backend, block, shape, causal, layout, dtype, getkey):
+    batch, q_seq = shape[:2]
+    q, k, v = make(getkey, *shape, dtype=dtype)
+    kv_length = jnp.asarray([shape[4], 7, 0][:batch])  # full, partial, and an empty cache
+    q_offset = kv_length - q_seq  # the queries are the last filled positions
+    out, lse = flash_attention(
+        q,
+        to_layout(k, layout),
+        to_layout(v, layout),
+        causal=causal,
+        q_offset=q_offset,
+        kv_length=kv_length,
+        backend=backend,
+        kv_layout=layout,
+        block_size=block,
+    )
+    assert out.shape == q.shape[:3] + (shape[5],) and out.dtype == dtype
+    assert lse.shape == (batch, shape[2], q_seq)
+    exp_out, exp_lse = np_decode(
+        q, k, v, np.asarray(kv_length), causal=causal, q_offset=np.asarray(q_offset)
+    )
+    check(out, lse, exp_out, exp_lse, dtype)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_gradients_match_reference(backend, getkey):
+    """Fused backends differentiate through their shared blockwise backward, lse included."""
+    q, k, v = make(getkey, 2, 1, 4, 2, 24, 8)
+    kv_length = jnp.asarray([24, 11])
+    w = jax.random.normal(getkey(), (2, 1, 4, 8))
+
+    def loss(backend, q, k, v):
+        out, lse = flash_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            q_offset=kv_length - 1,
+            kv_length=kv_length,
+            backend=backend,
+            block_size=5,
+        )
+        return jnp.sum(out * w) + jnp.sum(jnp.sin(lse))
+
+    got = jax.grad(functools.partial(loss, backend), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_check_grads_xla_float64(getkey):
+    from jax.test_util import check_grads
+
+    with jax.enable_x64(True):
+        q, k, v = make(getkey, 1, 2, 2, 1, 9, 3, dtype=jnp.float64)
+
+        def f(q, k, v):
+            out, lse = flash_attention(
+                q, k, v, causal=True, q_offset=7, kv_length=9, backend="xla", block_size=4
+            )
+            return out, lse
+
+        check_grads(f, (q, k, v), order=2, modes=("rev",), eps=1e-4)
+
+
+def test_flash_reference_twin_and_energy_agree(getkey):
+    q, k, v = make(getkey, 2, 3, 8, 2, 30, 16)
+    out, _ = flash_attention(q, k, v, causal=True, q_offset=27)
+    twin, _ = flash_attention_reference(q, k, v, causal=True, q_offset=27)
+    np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-6)
+    for b in range(2):
+        energy = energy_attention(q[b], k[b], v[b], causal=True, q_offset=27)
+        np.testing.assert_allclose(out[b], energy, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree and ring across devices
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_fn(kind, p, **kw):
+    fn = tree_decode if kind == "tree" else ring_decode
+    return jax.jit(functools.partial(fn, mesh=mesh_of(p), kv_axis="kv", **kw))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas", "reference"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_tree_equals_ring_equals_one_device(p, dtype, backend, getkey):
+    q, k, v = make(getkey, 2, 1, 8, 2, 64, 16, dtype=dtype)
+    kv_length = jnp.asarray([64, 13])  # row 1: most shards hold no valid key
+    layout = "bhsd"
+    kk, vv = to_layout(k, layout), to_layout(v, layout)
+    kw = dict(kv_length=kv_length, backend=backend, kv_layout=layout)
+    tree = decode_fn("tree", p, **kw)(q, kk, vv)
+    ring = decode_fn("ring", p, **kw)(q, kk, vv)
+    one, _ = flash_attention(q, kk, vv, kv_length=kv_length, backend=backend, kv_layout=layout)
+    expected, _ = np_decode(q, k, v, np.asarray(kv_length))
+    for got in (tree, ring, one):
+        assert got.dtype == dtype
+        assert ref.rel_err(got, expected) <= TOL[dtype]
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(tree, ring, rtol=1e-5, atol=1e-6)
+        for b in range(2):
+            energy = energy_attention(q[b], k[b, : int(kv_length[b])], v[b, : int(kv_length[b])])
+            np.testing.assert_allclose(tree[b], energy, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["allreduce", "butterfly"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_chunked_decode_gqa_batch(layout, reduction, getkey):
+    """Several queries per row (chunked / speculative decoding), GQA, uneven fill, p = 3
+    (the cache of 50 is padded to 51)."""
+    q, k, v = make(getkey, 3, 4, 6, 2, 50, 8)
+    kv_length = jnp.asarray([50, 21, 4])
+    kw = dict(kv_length=kv_length, causal=True, kv_layout=layout, reduction=reduction)
+    kk, vv = to_layout(k, layout), to_layout(v, layout)
+    tree = decode_fn("tree", 3, **kw)(q, kk, vv)
+    ring = decode_fn("ring", 3, **kw)(q, kk, vv)
+    expected, _ = np_decode(
+        q, k, v, np.asarray(kv_length), causal=True, q_offset=np.asarray(kv_length) - 4
+    )
+    assert ref.rel_err(tree, expected) <= TOL[jnp.float32]
+    assert ref.rel_err(ring, expected) <= TOL[jnp.float32]
+
+
+def test_hierarchical_tree_decode(getkey):
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("node", "local"))
+    q, k, v = make(getkey, 1, 1, 4, 4, 64, 8)
+    out = tree_decode(
+        q, k, v, mesh=mesh, kv_axis=("node", "local"), reduction="hierarchical", kv_length=40
+    )
+    expected, _ = np_decode(q, k, v, np.asarray([40]))
+    assert ref.rel_err(out, expected) <= TOL[jnp.float32]
+
+
+def test_decode_step_does_not_recompile(getkey):
+    q, k, v = make(getkey, 1, 1, 4, 2, 32, 8)
+    step = decode_fn("tree", 4, kv_layout="bshd")
+    traces = 0
+
+    @jax.jit
+    def run(q, k, v, n):
+        nonlocal traces
+        traces += 1
+        return tree_decode(q, k, v, mesh=mesh_of(4), kv_axis="kv", kv_length=n)
+
+    for n in (5, 9, 17, 32):
+        out = run(q, k, v, jnp.asarray([n]))
+        expected, _ = np_decode(q, k, v, np.asarray([n]))
+        assert ref.rel_err(out, expected) <= TOL[jnp.float32]
+    assert traces == 1
+    del step
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication, from the compiled HLO
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_tree_and_ring_communication(p):
+    batch, heads, dim = 2, 8, 16
+    q = jnp.zeros((batch, 1, heads, dim))
+    sent = {}
+    for kv_seq in (64 * p, 256 * p):
+        k = jnp.zeros((batch, heads, kv_seq, dim))
+        tree = collective_stats(decode_fn("tree", p, kv_layout="bhsd").lower(q, k, k).compile())
+        # pmax of lse, then one packed psum of (out e^{lse-m}, e^{lse-m}): paper eq. (33)-(35).
+        assert tree.count() == tree.count("all-reduce") == 2
+        expected = 2 * (p - 1) / p * (batch * heads * dim + 2 * batch * heads) * 4
+        assert tree.bytes_sent() == pytest.approx(expected)
+        sent[kv_seq] = tree.bytes_sent()
+        ring = collective_stats(decode_fn("ring", p, kv_layout="bhsd").lower(q, k, k).compile())
+        assert ring.unknown_trip_counts == 0
+        # K and V shards, p - 1 hops each: eq. (31) per device.
+        assert ring.count() == ring.count("collective-permute") == 2 * (p - 1)
+        shard = batch * heads * (kv_seq // p) * dim * 4
+        assert ring.bytes_sent() == pytest.approx(2 * (p - 1) * shard)
+    assert len(set(sent.values())) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend selection and bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_backend_selection_on_this_machine(getkey):
+    q, k, v = make(getkey, 1, 1, 4, 2, 16, 8, dtype=jnp.bfloat16)
+    from treeattn.decode._flash import check_decode
+
+    dims = check_decode("t", q, k, v, kv_layout="bshd")
+    kw = dict(causal=False, has_length=False, q_offset=0)
+    on_gpu = jax.default_backend() == "gpu"
+    assert select_backend("auto", dims, q.dtype, **kw) == ("flash_attn_jax" if on_gpu else "xla")
+    if not on_gpu:
+        with pytest.raises(BackendUnavailable, match=r"flash_attn_jax.*needs a GPU"):
+            flash_attention(q, k, v, backend="flash_attn_jax")
+        with pytest.raises(BackendUnavailable, match=r"cudnn.*needs a GPU"):
+            flash_attention(q, k, v, backend="cudnn")
+    with pytest.raises(BackendUnavailable, match=r"pallas.*one query per row \(q_seq=2\)"):
+        flash_attention(jnp.concatenate([q, q], 1), k, v, backend="pallas")
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        flash_attention(q, k, v, backend="triton")
+
+
+def test_flash_attn_jax_import_is_lazy():
+    import sys
+
+    import treeattn.decode  # noqa: F401
+
+    assert "flash_attn_jax" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kv_layout="bsdh"), r"kv_layout must be 'bshd' or 'bhsd'"),
+        (
+            dict(kv_length=jnp.zeros((3,), jnp.int32)),
+            r"kv_length must be a scalar or have "
+            r"shape \[batch\] = \(2,\), got \(3,\)",
+        ),
+        (dict(q_offset=1.5), r"q_offset must be an integer"),
+    ],
+)
+def test_bad_arguments(kwargs, match, getkey):
+    q, k, v = make(getkey, 2, 1, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes_and_mesh(getkey):
+    q, k, v = make(getkey, 2, 1, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match=r"q must have shape \[batch, q_seq, heads, dim\]"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match=r"num_heads=4 .* multiple of num_kv_heads=3"):
+        flash_attention(q, jnp.zeros((2, 16, 3, 8)), jnp.zeros((2, 16, 3, 8)))
+    with pytest.raises(ValueError, match=r"k \(2, 2, 16, 8\) and v .* must agree"):
+        flash_attention(q, jnp.swapaxes(k, 1, 2), v, kv_layout="bhsd")
+    with pytest.raises(ValueError, match=r"kv_axis 'seq' is not an axis of the mesh"):
+        tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="seq")
+    with pytest.raises(ValueError, match=r"'hierarchical' needs two mesh axes"):
+        tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", reduction="hierarchical")

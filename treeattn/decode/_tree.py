@@ -1,0 +1,190 @@
+r"""Tree decoding (paper, Algorithm 3) and the shared set-up of sequence-sharded decoding.
+
+Every device runs [`flash_attention`][treeattn.decode.flash_attention] on its shard of the KV
+cache, giving a partial `(out, lse)`; the partials are merged across devices with
+[`allreduce_partials`][treeattn.energy.allreduce_partials] — by default a `pmax` of lse and one
+packed `psum` of $(o\,e^{\mathrm{lse}-m}, e^{\mathrm{lse}-m})$, never $e^{\mathrm{lse}}$.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ..energy import allreduce_partials
+from ..energy._merge import check_reduction
+from ..energy._sharded import auto_mesh
+from ._backends import flash_attention, select_backend
+from ._flash import DecodeDims, check_decode, per_row
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """A decode call laid out over the devices of `kv_axis`."""
+
+    mesh: Mesh
+    axis_name: str | tuple[str, ...]
+    devices: int
+    dims: DecodeDims  # of one shard
+    causal: bool
+    kv_layout: str
+    backend: str  # resolved for one shard
+
+    def shard_map(self, local, *, replicated_by_construction: bool):
+        """`shard_map` over the cache layout: q, offsets, lengths replicated, K/V sharded.
+
+        The replication checker is off where it cannot follow: results replicated by
+        construction (butterfly, ring), and Pallas kernels, which need output axis types.
+        """
+        kv = self.kv_spec()
+        check = not replicated_by_construction and self.backend != "pallas"
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(), kv, kv, P(), P()), out_specs=P(), check_vma=check
+        )
+
+    def kv_spec(self) -> P:
+        if self.kv_layout == "bshd":
+            return P(None, self.axis_name, None, None)
+        return P(None, None, self.axis_name, None)
+
+    def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
+        """(q_offset, kv_length) of shard `shard` relative to its first key."""
+        start = shard * self.dims.kv_seq
+        return q_offset - start, jnp.clip(kv_length - start, 0, self.dims.kv_seq)
+
+
+def setup(
+    fn, q, k, v, *, mesh, kv_axis, kv_length, q_offset, causal, kv_layout, reduction, backend
+):
+    """Validate, pad the cache to a multiple of the device count if it must, and describe the
+    layout. Returns (Sharded, q, k, v, q_offset[batch], kv_length[batch])."""
+    dims = check_decode(
+        fn,
+        q,
+        k,
+        v,
+        kv_layout=kv_layout,
+        kv_length=kv_length,
+        q_offset=0 if q_offset is None else q_offset,
+    )
+    axes = (kv_axis,) if isinstance(kv_axis, str) else tuple(kv_axis)
+    for a in axes:
+        if a not in mesh.shape:
+            raise ValueError(
+                f"{fn}: kv_axis {a!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})"
+            )
+    axis_name = axes[0] if len(axes) == 1 else axes
+    if reduction is not None:
+        check_reduction(fn, reduction, axis_name)
+    p = math.prod(mesh.shape[a] for a in axes)
+    lengths = jnp.minimum(per_row(kv_length, dims.batch, dims.kv_seq), dims.kv_seq)
+    if q_offset is None:
+        # By default the queries are the last filled positions (decode / chunked decode).
+        offsets = lengths - dims.q_seq if causal else per_row(0, dims.batch, 0)
+    else:
+        offsets = per_row(q_offset, dims.batch, 0)
+    pad = -dims.kv_seq % p
+    if pad:
+        # A cache whose length divides the device count avoids this copy.
+        axis = 1 if kv_layout == "bshd" else 2
+        widths = [(0, 0)] * 4
+        widths[axis] = (0, pad)
+        k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+    local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // p)
+    name = select_backend(
+        backend, local, jnp.result_type(q), causal=causal, has_length=True, q_offset=None
+    )
+    layout = Sharded(auto_mesh(mesh), axis_name, p, local, causal, kv_layout, name)
+    return layout, q, k, v, offsets, lengths
+
+
+def tree_decode(
+    q: Float[Array, "batch q_seq heads qk"],
+    k: Float[Array, "batch kv_seq kv_heads qk"] | Float[Array, "batch kv_heads kv_seq qk"],
+    v: Float[Array, "batch kv_seq kv_heads dv"] | Float[Array, "batch kv_heads kv_seq dv"],
+    *,
+    mesh: Mesh,
+    kv_axis: str | tuple[str, ...],
+    kv_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    reduction: str = "allreduce",
+    kv_layout: str = "bshd",
+    causal: bool = False,
+    q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+) -> Float[Array, "batch q_seq heads dv"]:
+    r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
+
+    K and V are split along the sequence over the mesh axis `kv_axis` (one name, or
+    `(slow, fast)` for `reduction="hierarchical"`); `q` is replicated. Each device computes
+    `(out, lse)` of its shard with [`flash_attention`][treeattn.decode.flash_attention] (the
+    `backend`), then the devices merge the partials with the `reduction` schedule of
+    [`allreduce_partials`][treeattn.energy.allreduce_partials]. Per device this moves
+    $2\frac{p-1}{p}(b\,d + 2\,b\,n_h)$ elements (paper eq. 35) whatever the context length.
+
+    **Arguments:**
+
+    - `q`: `[batch, q_seq, heads, dim]`; `k`, `v` in `kv_layout` (`"bshd"`
+      `[batch, kv_seq, kv_heads, dim]`, or head-major `"bhsd"`, the one that streams on CPU).
+    - `kv_length`: filled length of the cache per row (default: all of it); shards past it
+      hold no valid key and contribute nothing.
+    - `causal`, `q_offset`: for several queries per row (chunked or speculative decoding):
+      query `i` sits at `q_offset + i` and sees keys up to there. `q_offset` defaults to
+      `kv_length - q_seq` (the queries are the last filled positions).
+    - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
+
+    A cache length that does not divide the device count is padded (a copy per call): allocate
+    caches in multiples of it.
+
+    **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
+    """
+    layout, q, k, v, offsets, lengths = setup(
+        "tree_decode",
+        q,
+        k,
+        v,
+        mesh=mesh,
+        kv_axis=kv_axis,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        causal=causal,
+        kv_layout=kv_layout,
+        reduction=reduction,
+        backend=backend,
+    )
+    return _tree(layout, q, k, v, offsets, lengths, scale=scale, reduction=reduction)
+
+
+@jax.named_scope("tree_decode")
+def _tree(layout: Sharded, q, k, v, offsets, lengths, *, scale, reduction):
+    def local(q, k, v, offsets, lengths):
+        q_off, kv_len = layout.local_view(offsets, lengths, lax.axis_index(layout.axis_name))
+        out, lse = flash_attention(
+            q,
+            k,
+            v,
+            causal=layout.causal,
+            scale=scale,
+            q_offset=q_off,
+            kv_length=kv_len,
+            backend=layout.backend,
+            kv_layout=layout.kv_layout,
+        )
+        # lse is [batch, heads, q_seq]; the merge wants it beside out's [batch, q_seq, heads].
+        merged, _ = allreduce_partials(
+            out.astype(jnp.float32),
+            jnp.swapaxes(lse, 1, 2),
+            axis_name=layout.axis_name,
+            reduction=reduction,
+        )
+        assert merged is not None
+        return merged.astype(q.dtype)
+
+    mapped = layout.shard_map(local, replicated_by_construction=reduction == "butterfly")
+    return mapped(q, k, v, offsets, lengths)
