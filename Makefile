@@ -25,7 +25,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,docs,lint]" $(JAX_PIN)
+	$(BIN)/python -m pip install --quiet -e ".[test,docs,lint,bench]" $(JAX_PIN)
 	@touch $@
 
 demo: $(STAMP)
@@ -45,6 +45,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/energy.py
 	$(BIN)/python benchmarks/reduction.py
+	$(BIN)/python benchmarks/decode.py
 
 clean:
 	rm -rf .venv .venv-jax* site
