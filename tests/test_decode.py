@@ -323,3 +323,27 @@ def test_bad_shapes_and_mesh(getkey):
         tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="seq")
     with pytest.raises(ValueError, match=r"'hierarchical' needs two mesh axes"):
         tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", reduction="hierarchical")
+
+
+@pytest.mark.parametrize("p", [1, 3, 4])
+def test_kv_positions_out_of_order_cache(p, getkey):
+    """A cache stored out of position order (e.g. round-robin over devices), described by
+    kv_positions, gives the same attention as the ordered cache."""
+    batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 3, 4, 2, 24, 8
+    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    kv_length = jnp.asarray([24, 10])
+    perm = np.random.default_rng(0).permutation(kv_seq)  # slot s holds position perm[s]
+    ks, vs = to_layout(k[:, perm], "bhsd"), to_layout(v[:, perm], "bhsd")
+    kw = dict(kv_length=kv_length, causal=True, kv_layout="bhsd", kv_positions=jnp.asarray(perm))
+    expected, _ = np_decode(
+        q, k, v, np.asarray(kv_length), causal=True, q_offset=np.asarray(kv_length) - q_seq
+    )
+    one, _ = flash_attention(q, ks, vs, q_offset=kv_length - q_seq, block_size=5, **kw)
+    assert ref.rel_err(one, expected) <= TOL[jnp.float32]
+    for kind in ("tree", "ring"):
+        out = decode_fn(kind, p, **kw)(q, ks, vs)
+        assert ref.rel_err(out, expected) <= TOL[jnp.float32], kind
+    with pytest.raises(BackendUnavailable, match="kv_positions"):
+        flash_attention(
+            q[:, :1], ks, vs, backend="pallas", kv_layout="bhsd", kv_positions=jnp.asarray(perm)
+        )

@@ -36,14 +36,14 @@ def _gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-def _flash_attn_jax_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, block):
+def _flash_attn_jax_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
     """FlashAttention-2 via flash-attn-jax (CUDA; fp16/bf16; head dim <= 256).
 
     Its public `flash_mha` hides the log-sum-exp; `flash_fwd.flash_mha_fwd` returns it (float32,
     [batch, heads, q_seq]). Its causal mask is bottom-right aligned to the end of K, which is
     our convention only when the queries are the last positions (checked by the selector).
     """
-    del q_offset, kv_length, block
+    del q_offset, kv_length, kv_pos, block
     flash_fwd = importlib.import_module("flash_attn_jax.flash_fwd")
     if dims.layout == "bhsd":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
@@ -53,14 +53,14 @@ def _flash_attn_jax_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale
     return out, lse.astype(jnp.float32)
 
 
-def _cudnn_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, block):
+def _cudnn_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
     """cuDNN through `jax.nn.dot_product_attention(..., return_residual=True)`.
 
     Its lse comes back as [batch, q_seq, heads] in the input dtype (and under stop_gradient);
     its `is_causal` aligns top-left, so causality is folded into the key lengths, which is exact
     for one query per row (the selector allows nothing else).
     """
-    del block
+    del kv_pos, block
     if dims.layout == "bhsd":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     lengths = jnp.minimum(kv_length, q_offset + 1) if causal else kv_length
@@ -85,10 +85,10 @@ def _pallas_split(kv_seq: int) -> tuple[int, int, int]:
     return splits, block_k, padded
 
 
-def _pallas_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, block):
+def _pallas_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
     """The Pallas split-K decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`),
     one query per row; interpreted on CPU. `m + log(l)` of its residuals is the lse."""
-    del block
+    del kv_pos, block
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     b, kh, g = dims.batch, dims.kv_heads, dims.group
@@ -126,11 +126,20 @@ _FORWARD = {
 
 
 def why_not(
-    backend: str, dims: DecodeDims, dtype, *, causal: bool, has_length: bool, q_offset
+    backend: str,
+    dims: DecodeDims,
+    dtype,
+    *,
+    causal: bool,
+    has_length: bool,
+    q_offset,
+    has_positions: bool = False,
 ) -> str | None:
     """Why `backend` cannot run this call here, or None if it can."""
     if backend in ("xla", "reference"):
         return None
+    if has_positions:
+        return "it needs the keys in position order (kv_positions was given)"
     if backend == "pallas":
         return None if dims.q_seq == 1 else f"it decodes one query per row (q_seq={dims.q_seq})"
     if not _gpu():
@@ -156,12 +165,19 @@ def why_not(
 
 
 def select_backend(
-    backend: str, dims: DecodeDims, dtype, *, causal: bool, has_length: bool, q_offset
+    backend: str,
+    dims: DecodeDims,
+    dtype,
+    *,
+    causal: bool,
+    has_length: bool,
+    q_offset,
+    has_positions: bool = False,
 ) -> str:
     """Resolve `backend` ("auto" -> the best that can run this call here)."""
     if backend not in BACKENDS:
         raise ValueError(f"flash_attention: backend must be one of {BACKENDS}, got {backend!r}")
-    kw = dict(causal=causal, has_length=has_length, q_offset=q_offset)
+    kw = dict(causal=causal, has_length=has_length, q_offset=q_offset, has_positions=has_positions)
     if backend != "auto":
         reason = why_not(backend, dims, dtype, **kw)
         if reason is not None:
@@ -185,6 +201,7 @@ def flash_attention(
     backend: str = "auto",
     kv_layout: str = "bshd",
     block_size: int | None = None,
+    kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch heads q_seq"]]:
     r"""Fused attention of local keys, returning the output and its log-sum-exp.
 
@@ -207,6 +224,10 @@ def flash_attention(
     - `scale`: default $1/\sqrt{dim}$.
     - `backend`: `"auto"`, `"flash_attn_jax"`, `"cudnn"`, `"pallas"`, `"xla"`, `"reference"`;
       see `docs/decode.md`. An unavailable choice raises `BackendUnavailable` saying why.
+    - `kv_positions`: absolute position of each key slot (`[kv_seq]` or `[batch, kv_seq]`), for
+      caches not stored in position order (round-robin over devices); default: slot `a` holds
+      position `a`. A key counts when its position is below `kv_length` (and, when causal, not
+      after the query). Only the `"xla"` and `"reference"` backends take it.
     - `block_size`: keys per block of the `"xla"` kernel (and of every backend's backward);
       default: as many as keep a block's logits under 64 MB.
 
@@ -216,6 +237,18 @@ def flash_attention(
     """
     fn = "flash_attention"
     dims = check_decode(fn, q, k, v, kv_layout=kv_layout, kv_length=kv_length, q_offset=q_offset)
+    positions = None
+    if kv_positions is not None:
+        if not jnp.issubdtype(jnp.result_type(kv_positions), jnp.integer) or jnp.shape(
+            kv_positions
+        ) not in ((dims.kv_seq,), (dims.batch, dims.kv_seq)):
+            raise ValueError(
+                f"{fn}: kv_positions must be integer with shape [kv_seq] = ({dims.kv_seq},) or "
+                f"[batch, kv_seq] = {(dims.batch, dims.kv_seq)}, got {jnp.shape(kv_positions)}"
+            )
+        positions = jnp.broadcast_to(
+            jnp.asarray(kv_positions).astype(jnp.int32), (dims.batch, dims.kv_seq)
+        )
     name = select_backend(
         backend,
         dims,
@@ -223,23 +256,38 @@ def flash_attention(
         causal=causal,
         has_length=kv_length is not None,
         q_offset=q_offset,
+        has_positions=positions is not None,
     )
     s = default_scale(dims.qk, scale)
     offsets = per_row(q_offset, dims.batch, 0)
-    lengths = jnp.minimum(per_row(kv_length, dims.batch, dims.kv_seq), dims.kv_seq)
+    lengths = per_row(kv_length, dims.batch, dims.kv_seq)
+    if positions is None:
+        lengths = jnp.minimum(lengths, dims.kv_seq)
     return _run(
-        name, q, k, v, offsets, lengths, dims=dims, causal=causal, scale=s, block=block_size
+        name,
+        q,
+        k,
+        v,
+        offsets,
+        lengths,
+        positions,
+        dims=dims,
+        causal=causal,
+        scale=s,
+        block=block_size,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("name", "dims", "causal", "scale", "block"))
-def _run(name, q, k, v, q_offset, kv_length, *, dims, causal, scale, block):
+def _run(name, q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
     if name == "reference":
         return reference_forward(
-            q, k, v, q_offset, kv_length, dims=dims, causal=causal, scale=scale
+            q, k, v, q_offset, kv_length, kv_pos, dims=dims, causal=causal, scale=scale
         )
     with jax.named_scope(f"flash_attention_{name}"):
-        return fused(_FORWARD[name], q, k, v, q_offset, kv_length, dims, causal, scale, block)
+        return fused(
+            _FORWARD[name], q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block
+        )
 
 
 def flash_attention_reference(
@@ -252,6 +300,7 @@ def flash_attention_reference(
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] = 0,
     kv_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_layout: str = "bshd",
+    kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch heads q_seq"]]:
     """The float32 twin of [`flash_attention`][treeattn.decode.flash_attention]: all logits
     written out, plain `jnp`, differentiated by JAX."""
@@ -265,4 +314,5 @@ def flash_attention_reference(
         kv_length=kv_length,
         backend="reference",
         kv_layout=kv_layout,
+        kv_positions=kv_positions,
     )

@@ -136,10 +136,11 @@ def row_positions(q_offset: Array, dims: DecodeDims) -> Array:
     return jnp.tile(q_offset + jnp.arange(dims.q_seq, dtype=jnp.int32), dims.group)
 
 
-def block_visibility(pos, first, kv_length, rows_pos, causal: bool) -> Array:
-    """Keys at positions `pos` [B] that count: not before `first` (already covered by an
-    earlier block), inside the filled length, and not after the query when causal."""
-    valid = (pos >= first) & (pos < kv_length)
+def block_visibility(slot, first, pos, kv_length, rows_pos, causal: bool) -> Array:
+    """Which keys of a block count: slots not before `first` (already covered by an earlier
+    block), keys whose absolute position `pos` is inside the filled length, and, when causal,
+    not after the query."""
+    valid = (slot >= first) & (pos < kv_length)
     if not causal:
         return valid[None, None, :]
     return valid[None, None, :] & (pos[None, None, :] <= rows_pos[None, :, None])
@@ -186,7 +187,7 @@ def _v_spec(layout: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _xla_row(q, k, v, q_offset, kv_length, *, dims: DecodeDims, causal, scale, block):
+def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: DecodeDims, causal, scale, block):
     """One batch row: online softmax over blocks of `block` keys, merged with
     `merge_partials`. Blocks past the filled length (or past the last query, when causal) are
     not visited, so a partly filled cache costs what its filled part costs."""
@@ -197,7 +198,11 @@ def _xla_row(q, k, v, q_offset, kv_length, *, dims: DecodeDims, causal, scale, b
     limit = kv_length
     if causal:
         limit = jnp.minimum(limit, q_offset + dims.q_seq)
-    n_blocks = jnp.clip((limit + size - 1) // size, 0, -(-dims.kv_seq // size))
+    total_blocks = -(-dims.kv_seq // size)
+    if kv_pos is None:  # contiguous: blocks past the limit hold no visible key
+        n_blocks = jnp.clip((limit + size - 1) // size, 0, total_blocks)
+    else:
+        n_blocks = total_blocks
     ax = dims.seq_axis
 
     def body(i, carry):
@@ -209,8 +214,9 @@ def _xla_row(q, k, v, q_offset, kv_length, *, dims: DecodeDims, causal, scale, b
         kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
         vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
         logits = jnp.einsum(f"kmd,{_k_spec(dims.layout)}->kmb", qr, kb)
-        pos = start + jnp.arange(size, dtype=jnp.int32)
-        visible = block_visibility(pos, first, kv_length, rows_pos, causal)
+        slot = start + jnp.arange(size, dtype=jnp.int32)
+        pos = slot if kv_pos is None else lax.dynamic_slice_in_dim(kv_pos, start, size)
+        visible = block_visibility(slot, first, pos, kv_length, rows_pos, causal)
         b_out, b_lse = block_partial(logits, visible, vb, _v_spec(dims.layout))
         out, lse = merge_partials(out, lse, b_out, b_lse)
         assert out is not None
@@ -245,7 +251,7 @@ def _empty(q, k, v, q_offset, kv_length, dims: DecodeDims):
     return match_vma((out, lse), q, k, v, q_offset, kv_length)
 
 
-def xla_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, block):
+def xla_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
     """The portable kernel: blockwise online softmax, `(out, lse)` per block merged with
     `merge_partials`; one block (no loop) when the logits fit LOGITS_BUDGET. A call whose rows
     see no key at all (a shard past the filled part of a cache) does no work."""
@@ -256,27 +262,29 @@ def xla_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, block):
     else:
         row = functools.partial(_xla_row, block=size, **kw)
     limit = jnp.minimum(kv_length, q_offset + dims.q_seq) if causal else kv_length
+    first_pos = 0 if kv_pos is None else jnp.min(kv_pos, axis=-1)
     return lax.cond(
-        jnp.any(limit > 0),
-        lambda: jax.vmap(row)(q, k, v, q_offset, kv_length),
+        jnp.any(first_pos < limit),
+        lambda: jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos),
         lambda: _empty(q, k, v, q_offset, kv_length, dims),
     )
 
 
-def _reference_row(q, k, v, q_offset, kv_length, *, dims: DecodeDims, causal, scale):
+def _reference_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: DecodeDims, causal, scale):
     ct = compute_dtype(q.dtype)
     qr = q_rows(q, dims, ct) * jnp.asarray(scale, ct)
     logits = jnp.einsum(f"kmd,{_k_spec(dims.layout)}->kmb", qr, k.astype(ct))
-    pos = jnp.arange(dims.kv_seq, dtype=jnp.int32)
-    visible = block_visibility(pos, 0, kv_length, row_positions(q_offset, dims), causal)
+    slot = jnp.arange(dims.kv_seq, dtype=jnp.int32)
+    pos = slot if kv_pos is None else kv_pos
+    visible = block_visibility(slot, 0, pos, kv_length, row_positions(q_offset, dims), causal)
     out, lse = block_partial(logits, visible, v.astype(ct), _v_spec(dims.layout))
     return from_rows(out, dims).astype(q.dtype), lse_from_rows(lse, dims)
 
 
-def reference_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, block=None):
+def reference_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block=None):
     del block
     row = functools.partial(_reference_row, dims=dims, causal=causal, scale=scale)
-    return jax.vmap(row)(q, k, v, q_offset, kv_length)
+    return jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +293,21 @@ def reference_forward(q, k, v, q_offset, kv_length, *, dims, causal, scale, bloc
 
 
 def _backward_row(
-    q, k, v, q_offset, kv_length, out, lse, d_out, d_lse, *, dims: DecodeDims, causal, scale, block
+    q,
+    k,
+    v,
+    q_offset,
+    kv_length,
+    kv_pos,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    dims: DecodeDims,
+    causal,
+    scale,
+    block,
 ):
     r"""Cotangents of (q, k, v) for one batch row, one block of keys at a time.
 
@@ -309,8 +331,9 @@ def _backward_row(
 
     def block_grads(kb, vb, start, first):
         logits = jnp.einsum(f"kmd,{ks}->kmb", qr, kb)
-        pos = start + jnp.arange(size, dtype=jnp.int32)
-        visible = block_visibility(pos, first, kv_length, rows_pos, causal)
+        slot = start + jnp.arange(size, dtype=jnp.int32)
+        pos = slot if kv_pos is None else lax.dynamic_slice_in_dim(kv_pos, start, size)
+        visible = block_visibility(slot, first, pos, kv_length, rows_pos, causal)
         p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - lse_safe[..., None])
         dp = jnp.einsum(f"kmv,{vs}->kmb", do, vb)
         dx = p * (dp - delta[..., None])
@@ -347,30 +370,36 @@ def _backward_row(
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7, 8, 9))
-def fused(forward, q, k, v, q_offset, kv_length, dims, causal, scale, block):
-    """`forward(q, k, v, q_offset, kv_length, ...)` -> (out, lse), with the blockwise backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7, 8, 9, 10))
+def fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block):
+    """`forward(q, k, v, q_offset, kv_length, kv_pos, ...)` -> (out, lse), with the blockwise
+    backward.
 
     Backends whose lse is not differentiable (or whose forward cannot be differentiated at all:
     Pallas, cuDNN's residual, flash-attn-jax, a dynamic-length loop) get their gradient here.
     """
-    return forward(q, k, v, q_offset, kv_length, dims=dims, causal=causal, scale=scale, block=block)
+    return forward(
+        q, k, v, q_offset, kv_length, kv_pos, dims=dims, causal=causal, scale=scale, block=block
+    )
 
 
-def _fused_fwd(forward, q, k, v, q_offset, kv_length, dims, causal, scale, block):
+def _fused_fwd(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block):
     # Calling `fused` (not `forward`) here keeps the residuals differentiable through this
     # same rule, so the gradient can itself be differentiated (training through attention).
-    out, lse = fused(forward, q, k, v, q_offset, kv_length, dims, causal, scale, block)  # type: ignore[misc]
-    return (out, lse), (q, k, v, q_offset, kv_length, out, lse)
+    out, lse = fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block)  # type: ignore[misc]
+    return (out, lse), (q, k, v, q_offset, kv_length, kv_pos, out, lse)
 
 
 def _fused_bwd(forward, dims, causal, scale, block, res, cts):
-    q, k, v, q_offset, kv_length, out, lse = res
+    q, k, v, q_offset, kv_length, kv_pos, out, lse = res
     d_out, d_lse = cts
     row = functools.partial(_backward_row, dims=dims, causal=causal, scale=scale, block=block)
-    dq, dk, dv = jax.vmap(row)(q, k, v, q_offset, kv_length, out, lse, d_out, d_lse)
-    zero = jax.dtypes.float0
-    return (dq, dk, dv, np.zeros(q_offset.shape, zero), np.zeros(kv_length.shape, zero))
+    dq, dk, dv = jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos, out, lse, d_out, d_lse)
+
+    def no_cotangent(x):
+        return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+
+    return (dq, dk, dv, no_cotangent(q_offset), no_cotangent(kv_length), no_cotangent(kv_pos))
 
 
 fused.defvjp(_fused_fwd, _fused_bwd)

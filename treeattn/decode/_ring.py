@@ -33,6 +33,7 @@ def ring_decode(
     kv_layout: str = "bshd",
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+    kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     """The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
@@ -44,7 +45,7 @@ def ring_decode(
     `tree_decode` and ignored: the ring is the schedule.
     """
     del reduction
-    layout, q, k, v, offsets, lengths = setup(
+    layout, q, k, v, offsets, lengths, positions = setup(
         "ring_decode",
         q,
         k,
@@ -57,19 +58,20 @@ def ring_decode(
         kv_layout=kv_layout,
         reduction=None,
         backend=backend,
+        kv_positions=kv_positions,
     )
-    return _ring(layout, q, k, v, offsets, lengths, scale=scale)
+    return _ring(layout, q, k, v, offsets, lengths, positions, scale=scale)
 
 
 @jax.named_scope("ring_decode")
-def _ring(layout: Sharded, q, k, v, offsets, lengths, *, scale):
+def _ring(layout: Sharded, q, k, v, offsets, lengths, positions, *, scale):
     p = layout.devices
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def local(q, k, v, offsets, lengths):
+    def local(q, k, v, offsets, lengths, positions):
         me = lax.axis_index(layout.axis_name)
 
-        def attend(k, v, step):
+        def attend(k, v, positions, step):
             # After `step` hops this device holds the shard that started on device me - step.
             q_off, kv_len = layout.local_view(offsets, lengths, (me - step) % p)
             out, lse = flash_attention(
@@ -82,20 +84,21 @@ def _ring(layout: Sharded, q, k, v, offsets, lengths, *, scale):
                 kv_length=kv_len,
                 backend=layout.backend,
                 kv_layout=layout.kv_layout,
+                kv_positions=positions,
             )
             return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
 
         def step(i, carry):
-            k, v, out, lse = carry
+            k, v, positions, out, lse = carry
             # One hop: receive the previous device's shard (p - 1 hops in all).
-            k = lax.ppermute(k, layout.axis_name, perm=ring)
-            v = lax.ppermute(v, layout.axis_name, perm=ring)
-            b_out, b_lse = attend(k, v, i)
+            k, v, positions = lax.ppermute((k, v, positions), layout.axis_name, perm=ring)
+            b_out, b_lse = attend(k, v, positions, i)
             out, lse = merge_partials(out, lse, b_out, b_lse)
-            return k, v, out, lse
+            return k, v, positions, out, lse
 
-        out, lse = attend(k, v, 0)
-        _, _, out, lse = lax.fori_loop(1, p, step, (k, v, out, lse))
+        out, lse = attend(k, v, positions, 0)
+        _, _, _, out, lse = lax.fori_loop(1, p, step, (k, v, positions, out, lse))
         return out.astype(q.dtype)
 
-    return layout.shard_map(local, replicated_by_construction=True)(q, k, v, offsets, lengths)
+    mapped = layout.shard_map(local, replicated_by_construction=True)
+    return mapped(q, k, v, offsets, lengths, positions)

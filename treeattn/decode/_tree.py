@@ -35,17 +35,24 @@ class Sharded:
     causal: bool
     kv_layout: str
     backend: str  # resolved for one shard
+    positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
 
     def shard_map(self, local, *, replicated_by_construction: bool):
-        """`shard_map` over the cache layout: q, offsets, lengths replicated, K/V sharded.
+        """`shard_map` over the cache layout: q, offsets, lengths replicated; K, V (and the key
+        positions) sharded along the sequence.
 
         The replication checker is off where it cannot follow: results replicated by
         construction (butterfly, ring), and Pallas kernels, which need output axis types.
         """
         kv = self.kv_spec()
+        pos = P(None, self.axis_name) if self.positional else None
         check = not replicated_by_construction and self.backend != "pallas"
         return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(P(), kv, kv, P(), P()), out_specs=P(), check_vma=check
+            local,
+            mesh=self.mesh,
+            in_specs=(P(), kv, kv, P(), P(), pos),
+            out_specs=P(),
+            check_vma=check,
         )
 
     def kv_spec(self) -> P:
@@ -54,16 +61,32 @@ class Sharded:
         return P(None, None, self.axis_name, None)
 
     def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
-        """(q_offset, kv_length) of shard `shard` relative to its first key."""
+        """(q_offset, kv_length) of shard `shard` relative to its first key; unchanged when the
+        keys carry their own positions."""
+        if self.positional:
+            return q_offset, kv_length
         start = shard * self.dims.kv_seq
         return q_offset - start, jnp.clip(kv_length - start, 0, self.dims.kv_seq)
 
 
 def setup(
-    fn, q, k, v, *, mesh, kv_axis, kv_length, q_offset, causal, kv_layout, reduction, backend
+    fn,
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    kv_axis,
+    kv_length,
+    q_offset,
+    causal,
+    kv_layout,
+    reduction,
+    backend,
+    kv_positions,
 ):
     """Validate, pad the cache to a multiple of the device count if it must, and describe the
-    layout. Returns (Sharded, q, k, v, q_offset[batch], kv_length[batch])."""
+    layout. Returns (Sharded, q, k, v, q_offset[batch], kv_length[batch], positions)."""
     dims = check_decode(
         fn,
         q,
@@ -83,7 +106,21 @@ def setup(
     if reduction is not None:
         check_reduction(fn, reduction, axis_name)
     p = math.prod(mesh.shape[a] for a in axes)
-    lengths = jnp.minimum(per_row(kv_length, dims.batch, dims.kv_seq), dims.kv_seq)
+    lengths = per_row(kv_length, dims.batch, dims.kv_seq)
+    positions = None
+    if kv_positions is None:
+        lengths = jnp.minimum(lengths, dims.kv_seq)
+    else:
+        if not jnp.issubdtype(jnp.result_type(kv_positions), jnp.integer) or jnp.shape(
+            kv_positions
+        ) not in ((dims.kv_seq,), (dims.batch, dims.kv_seq)):
+            raise ValueError(
+                f"{fn}: kv_positions must be integer with shape [kv_seq] = ({dims.kv_seq},) or "
+                f"[batch, kv_seq] = {(dims.batch, dims.kv_seq)}, got {jnp.shape(kv_positions)}"
+            )
+        positions = jnp.broadcast_to(
+            jnp.asarray(kv_positions).astype(jnp.int32), (dims.batch, dims.kv_seq)
+        )
     if q_offset is None:
         # By default the queries are the last filled positions (decode / chunked decode).
         offsets = lengths - dims.q_seq if causal else per_row(0, dims.batch, 0)
@@ -96,12 +133,23 @@ def setup(
         widths = [(0, 0)] * 4
         widths[axis] = (0, pad)
         k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+        if positions is not None:  # padding slots sit beyond any length
+            big = jnp.iinfo(jnp.int32).max
+            positions = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=big)
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // p)
     name = select_backend(
-        backend, local, jnp.result_type(q), causal=causal, has_length=True, q_offset=None
+        backend,
+        local,
+        jnp.result_type(q),
+        causal=causal,
+        has_length=True,
+        q_offset=None,
+        has_positions=positions is not None,
     )
-    layout = Sharded(auto_mesh(mesh), axis_name, p, local, causal, kv_layout, name)
-    return layout, q, k, v, offsets, lengths
+    layout = Sharded(
+        auto_mesh(mesh), axis_name, p, local, causal, kv_layout, name, positions is not None
+    )
+    return layout, q, k, v, offsets, lengths, positions
 
 
 def tree_decode(
@@ -118,6 +166,7 @@ def tree_decode(
     kv_layout: str = "bshd",
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+    kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -137,6 +186,10 @@ def tree_decode(
     - `causal`, `q_offset`: for several queries per row (chunked or speculative decoding):
       query `i` sits at `q_offset + i` and sees keys up to there. `q_offset` defaults to
       `kv_length - q_seq` (the queries are the last filled positions).
+    - `kv_positions`: absolute position of each cache slot (`[kv_seq]` or `[batch, kv_seq]`),
+      for caches whose slots are not in position order — e.g. appended round-robin over the
+      devices so that the shards fill evenly; sharded along with K and V (xla and reference
+      backends).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
@@ -144,7 +197,7 @@ def tree_decode(
 
     **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
     """
-    layout, q, k, v, offsets, lengths = setup(
+    layout, q, k, v, offsets, lengths, positions = setup(
         "tree_decode",
         q,
         k,
@@ -157,13 +210,14 @@ def tree_decode(
         kv_layout=kv_layout,
         reduction=reduction,
         backend=backend,
+        kv_positions=kv_positions,
     )
-    return _tree(layout, q, k, v, offsets, lengths, scale=scale, reduction=reduction)
+    return _tree(layout, q, k, v, offsets, lengths, positions, scale=scale, reduction=reduction)
 
 
 @jax.named_scope("tree_decode")
-def _tree(layout: Sharded, q, k, v, offsets, lengths, *, scale, reduction):
-    def local(q, k, v, offsets, lengths):
+def _tree(layout: Sharded, q, k, v, offsets, lengths, positions, *, scale, reduction):
+    def local(q, k, v, offsets, lengths, positions):
         q_off, kv_len = layout.local_view(offsets, lengths, lax.axis_index(layout.axis_name))
         out, lse = flash_attention(
             q,
@@ -175,6 +229,7 @@ def _tree(layout: Sharded, q, k, v, offsets, lengths, *, scale, reduction):
             kv_length=kv_len,
             backend=layout.backend,
             kv_layout=layout.kv_layout,
+            kv_positions=positions,
         )
         # lse is [batch, heads, q_seq]; the merge wants it beside out's [batch, q_seq, heads].
         merged, _ = allreduce_partials(
@@ -187,4 +242,4 @@ def _tree(layout: Sharded, q, k, v, offsets, lengths, *, scale, reduction):
         return merged.astype(q.dtype)
 
     mapped = layout.shard_map(local, replicated_by_construction=reduction == "butterfly")
-    return mapped(q, k, v, offsets, lengths)
+    return mapped(q, k, v, offsets, lengths, positions)
