@@ -35,8 +35,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check treeattn tests benchmarks
-	$(BIN)/ruff format --check treeattn tests benchmarks
+	$(BIN)/ruff check treeattn tests benchmarks examples
+	$(BIN)/ruff format --check treeattn tests benchmarks examples
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
 docs: $(STAMP)

@@ -1,1 +1,31 @@
-"""Equinox layers and a Llama-style decoder on treeattn attention."""
+"""Equinox layers and a Llama-style decoder on every treeattn attention backend."""
+
+from ._attention import (
+    AttentionBackend as AttentionBackend,
+    MultiheadAttention as MultiheadAttention,
+    attend as attend,
+)
+from ._cache import KVCache as KVCache
+from ._generate import (
+    decode_step as decode_step,
+    generate as generate,
+    prefill as prefill,
+    sample as sample,
+)
+from ._layers import (
+    Llama3Scaling as Llama3Scaling,
+    RMSNorm as RMSNorm,
+    RotaryEmbedding as RotaryEmbedding,
+    SwiGLU as SwiGLU,
+)
+from ._llama import (
+    DecoderBlock as DecoderBlock,
+    LlamaConfig as LlamaConfig,
+    Transformer as Transformer,
+)
+from ._train import (
+    CharTokenizer as CharTokenizer,
+    TrainConfig as TrainConfig,
+    lm_loss as lm_loss,
+    train as train,
+)

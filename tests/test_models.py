@@ -1,0 +1,339 @@
+"""treeattn.models: layers, the Llama decoder, KV caches, every backend giving one answer."""
+
+import contextlib
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from treeattn.models import (
+    AttentionBackend,
+    KVCache,
+    LlamaConfig,
+    MultiheadAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    Transformer,
+    decode_step,
+    generate,
+    prefill,
+)
+
+
+def mesh_of(p):
+    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+
+
+def tree(p):
+    return AttentionBackend("tree", mesh=mesh_of(p), kv_axis="kv")
+
+
+SMALL = LlamaConfig(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@functools.lru_cache
+def small_model(dtype=jnp.float32):
+    return Transformer(SMALL, dtype=dtype, key=jax.random.key(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# MultiheadAttention as a drop-in for equinox.nn.MultiheadAttention
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", [None, "2d", "3d"])
+@pytest.mark.parametrize("biases", [False, True])
+@pytest.mark.parametrize("backend", ["energy", "reference"])
+def test_matches_equinox_multihead_attention(backend, biases, mask_kind, getkey):
+    kw = dict(
+        num_heads=4,
+        query_size=16,
+        key_size=12,
+        value_size=10,
+        output_size=8,
+        qk_size=6,
+        vo_size=5,
+        use_query_bias=biases,
+        use_key_bias=biases,
+        use_value_bias=biases,
+        use_output_bias=biases,
+    )
+    k = getkey()
+    theirs = eqx.nn.MultiheadAttention(**kw, key=k)
+    ours = MultiheadAttention(**kw, backend=backend, key=k)
+    # Same fields and shapes; the same key gives the same weights.
+    for name in ("query_proj", "key_proj", "value_proj", "output_proj"):
+        np.testing.assert_array_equal(getattr(ours, name).weight, getattr(theirs, name).weight)
+    q = jax.random.normal(getkey(), (7, 16))
+    kk = jax.random.normal(getkey(), (9, 12))
+    v = jax.random.normal(getkey(), (9, 10))
+    mask = None
+    if mask_kind == "2d":
+        mask = jax.random.bernoulli(getkey(), 0.7, (7, 9)).at[:, 0].set(True)
+    elif mask_kind == "3d":
+        mask = jax.random.bernoulli(getkey(), 0.7, (4, 7, 9)).at[..., 0].set(True)
+    np.testing.assert_allclose(ours(q, kk, v, mask), theirs(q, kk, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_weights_move_over_with_tree_at(getkey):
+    theirs = eqx.nn.MultiheadAttention(4, 16, key=getkey())
+    ours = MultiheadAttention(4, 16, key=getkey())  # different initial weights
+    names = ("query_proj", "key_proj", "value_proj", "output_proj")
+    ours = eqx.tree_at(
+        lambda m: [getattr(m, n).weight for n in names],
+        ours,
+        [getattr(theirs, n).weight for n in names],
+    )
+    x = jax.random.normal(getkey(), (5, 16))
+
+    def heads(q, k, v):  # Equinox's hook for e.g. relative positions
+        return q * 2.0, k, v
+
+    np.testing.assert_allclose(
+        ours(x, x, x, process_heads=heads),
+        theirs(x, x, x, process_heads=heads),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("backend", ["energy", "reference", "flash"])
+def test_gqa_causal_rotary_cache_equals_full_call(backend, getkey):
+    """Feeding a sequence in chunks through a KV cache equals one causal call over all of it:
+    bottom-right causality and rotary embeddings at absolute positions."""
+    mha = MultiheadAttention(
+        8, 32, num_kv_heads=2, causal=True, rotary=RotaryEmbedding(4), backend=backend, key=getkey()
+    )
+    x = jax.random.normal(getkey(), (11, 32))
+    full = mha(x, x, x)
+    cache = KVCache.create(2, 16, 4)
+    outs = []
+    for chunk in (x[:4], x[4:5], x[5:9], x[9:]):
+        out, cache = mha(chunk, chunk, chunk, cache=cache)
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs), full, rtol=1e-5, atol=1e-6)
+    assert int(cache.length) == 11
+
+
+def test_equinox_dropout_semantics_on_the_reference_backend(getkey):
+    k = getkey()
+    theirs = eqx.nn.MultiheadAttention(2, 8, dropout_p=0.5, key=k)
+    ours = MultiheadAttention(2, 8, dropout_p=0.5, backend="reference", key=k)
+    x = jax.random.normal(getkey(), (6, 8))
+    dk = getkey()
+    np.testing.assert_allclose(ours(x, x, x, key=dk), theirs(x, x, x, key=dk), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="dropout"):
+        MultiheadAttention(2, 8, dropout_p=0.5, key=k)(
+            x, x, x, key=dk, cache=KVCache.create(2, 8, 4)
+        )
+
+
+def test_cache_rejects_a_mask_and_keeps_its_dtype(getkey):
+    mha = MultiheadAttention(4, 16, num_kv_heads=2, causal=True, key=getkey())
+    x = jax.random.normal(getkey(), (3, 16))
+    with pytest.raises(ValueError, match="mask= cannot be combined with cache="):
+        mha(x, x, x, jnp.ones((3, 3), bool), cache=KVCache.create(2, 8, 4))
+    # A bfloat16 layer over a float32 cache: attention runs in the cache's dtype.
+    mha16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, mha)
+    x16 = x.astype(jnp.bfloat16)
+    out, cache = mha16(x16, x16, x16, cache=KVCache.create(2, 8, 4, dtype=jnp.float32))
+    assert out.dtype == jnp.bfloat16 and cache.k.dtype == jnp.float32
+    assert ref.rel_err(out, mha16(x16, x16, x16)) <= 2e-2
+
+
+def test_rmsnorm_and_rotary_against_numpy(getkey):
+    x = jax.random.normal(getkey(), (3, 8))
+    norm = RMSNorm(8, eps=1e-6)
+    xn = np.asarray(x, np.float64)
+    np.testing.assert_allclose(
+        norm(x), xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-6), rtol=1e-5
+    )
+    rot = RotaryEmbedding(4, theta=100.0)
+    h = jax.random.normal(getkey(), (3, 1, 4))
+    out = rot(h, jnp.asarray([0, 5, 9]))
+    inv = 1.0 / 100.0 ** (np.arange(0, 4, 2) / 4)
+    for t, pos in enumerate((0, 5, 9)):
+        ang = pos * inv
+        x1, x2 = np.asarray(h[t, 0, :2], np.float64), np.asarray(h[t, 0, 2:], np.float64)
+        expected = np.concatenate(
+            [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)]
+        )
+        np.testing.assert_allclose(out[t, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder on every backend
+# ---------------------------------------------------------------------------------------------
+
+BACKENDS = ["energy", "reference", "flash", AttentionBackend("flash", flash_backend="pallas")]
+BACKEND_IDS = ["energy", "reference", "flash-xla", "flash-pallas"]
+
+
+def run_decoding(model, tokens, n_prompt, backend, cache):
+    logits, cache = prefill(model, tokens[:n_prompt], cache, backend=backend)
+    steps = []
+    for t in range(n_prompt, len(tokens)):
+        step_logits, cache = decode_step(model, tokens[t], cache, backend=backend)
+        steps.append(step_logits)
+    return logits, jnp.stack(steps)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    BACKENDS + [tree(p) for p in (1, 2, 4, 8)],
+    ids=BACKEND_IDS + [f"tree-{p}" for p in (1, 2, 4, 8)],
+)
+def test_prefill_and_decode_logits_agree(backend, getkey):
+    model = small_model()
+    tokens = jax.random.randint(getkey(), (20,), 0, SMALL.vocab_size)
+    full = model(tokens, backend="reference")  # one causal pass, no cache
+    be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
+    mesh = be.mesh if be.name == "tree" else None
+    cache = model.init_cache(24, mesh=mesh, kv_axis=be.kv_axis if mesh else None, block=2)
+    pre, steps = run_decoding(model, tokens, 12, backend, cache)
+    np.testing.assert_allclose(pre, full[:12], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(steps, full[12:], rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_logits_within_tolerance(getkey):
+    model32 = small_model()
+    model16 = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model32
+    )
+    tokens = jax.random.randint(getkey(), (16,), 0, SMALL.vocab_size)
+    full = model32(tokens, backend="reference")
+    for backend in ("energy", "flash", tree(4)):
+        mesh = backend.mesh if isinstance(backend, AttentionBackend) else None
+        cache = model16.init_cache(16, mesh=mesh, kv_axis="kv" if mesh else None, block=2)
+        pre, steps = run_decoding(model16, tokens, 10, backend, cache)
+        got = jnp.concatenate([pre, steps]).astype(jnp.float32)
+        # bf16 weights and activations: ~3 significant digits through 2 layers.
+        assert ref.rel_err(got, full) <= 5e-2
+
+
+def test_greedy_generation_identical_across_backends(getkey):
+    model = small_model()
+    prompt = jax.random.randint(getkey(), (8,), 0, SMALL.vocab_size)
+    outs = {}
+    for name, be in [
+        ("reference", "reference"),
+        ("energy", "energy"),
+        ("flash", "flash"),
+        ("tree-8", tree(8)),
+    ]:
+        outs[name] = generate(model, prompt, max_new_tokens=64, backend=be)
+        assert outs[name].shape == (72,)
+    for name, out in outs.items():
+        np.testing.assert_array_equal(out, outs["reference"], err_msg=name)
+    batch = generate(model, jnp.stack([prompt, prompt[::-1]]), max_new_tokens=16, backend=tree(4))
+    np.testing.assert_array_equal(batch[0], outs["reference"][:24])
+
+
+def test_sampling_is_reproducible_and_uses_top_k(getkey):
+    model = small_model()
+    prompt = jnp.arange(5)
+    key = getkey()
+    a = generate(model, prompt, max_new_tokens=20, temperature=1.0, top_k=3, key=key)
+    b = generate(model, prompt, max_new_tokens=20, temperature=1.0, top_k=3, key=key)
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="needs key"):
+        generate(model, prompt, max_new_tokens=2, temperature=1.0)
+
+
+@contextlib.contextmanager
+def compilations():
+    """The XLA compilations that happen inside the block."""
+    compiles, listening = [], [True]
+
+    def count(event, duration, **kwargs):
+        if listening[0] and "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield compiles
+    finally:
+        listening[0] = False
+
+
+def test_decode_step_does_not_recompile(getkey):
+    model = small_model()
+    cache = model.init_cache(32)
+    _, cache = prefill(model, jnp.arange(4), cache)
+    _, cache = decode_step(model, jnp.asarray(3), cache)
+    tokens = [jnp.asarray(t) for t in range(10)]
+    with compilations() as compiles:
+        for t in tokens:
+            _, cache = decode_step(model, t, cache)
+        jax.block_until_ready(cache)
+    assert compiles == []
+    assert int(cache.length[0]) == 15
+
+
+def test_generate_compiles_once_per_shape(getkey):
+    model = small_model()
+    prompt = jax.random.randint(getkey(), (6,), 0, SMALL.vocab_size)
+    other = jax.random.randint(getkey(), (6,), 0, SMALL.vocab_size)
+    first = generate(model, prompt, max_new_tokens=5)
+    with compilations() as compiles:
+        again = jax.block_until_ready(generate(model, other, max_new_tokens=5))
+    assert compiles == []
+    assert again.shape == first.shape
+
+
+def test_writing_past_max_len_is_an_error():
+    model = small_model()
+    cache = model.init_cache(8)
+    _, cache = prefill(model, jnp.arange(6), cache)
+    with pytest.raises(Exception, match="overflow the cache of max_len=8"):
+        jax.block_until_ready(prefill(model, jnp.arange(3), cache))
+
+
+def test_round_robin_cache_fills_shards_evenly():
+    cache = KVCache.create(2, 100, 4, mesh=mesh_of(4), kv_axis="kv", block=4)
+    assert cache.max_len == 112  # rounded up to a multiple of devices * block
+    positions = cache.positions()
+    assert sorted(positions) == list(range(112))
+    shard = cache.max_len // 4
+    for length in (1, 17, 50, 112):
+        filled = [int(np.sum(positions[d * shard : (d + 1) * shard] < length)) for d in range(4)]
+        assert max(filled) - min(filled) <= 4
+    np.testing.assert_array_equal(cache.slots(jnp.asarray(positions)), np.arange(112))
+
+
+def test_causality(getkey):
+    """The gradient of a position's logits with respect to later tokens is 0."""
+    model = small_model()
+    x = jax.random.normal(getkey(), (10, SMALL.hidden_size))
+    for backend in ("energy", "reference"):
+        jac = jax.jacrev(lambda x, b=backend: model.from_embeddings(x, backend=b)[4])(x)
+        assert np.all(jac[:, 5:] == 0)
+        assert np.any(jac[:, :5] != 0)
+
+
+def test_training_through_energy_matches_reference(getkey):
+    """The gradient of the energy path is a second derivative of F; training through it follows
+    the reference's loss curve."""
+    from treeattn.models._train import TrainConfig, train
+
+    tokens = np.asarray(jax.random.randint(getkey(), (400,), 0, SMALL.vocab_size))
+    config = TrainConfig(steps=50, batch_size=4, seq_len=16, warmup_steps=5, learning_rate=1e-2)
+    curves = {}
+    for backend in ("energy", "reference"):
+        _, curves[backend] = train(small_model(), tokens, config, backend=backend, progress=False)
+    a, b = np.asarray(curves["energy"]), np.asarray(curves["reference"])
+    assert b[-1] < b[0] - 0.5  # it learns
+    np.testing.assert_allclose(a, b, rtol=1e-4)

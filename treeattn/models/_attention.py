@@ -1,0 +1,354 @@
+"""`MultiheadAttention`: a drop-in `equinox.nn.MultiheadAttention` on every treeattn backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .. import decode, energy
+from ._cache import KVCache
+from ._layers import RotaryEmbedding
+
+
+BACKENDS = ("energy", "reference", "flash", "tree")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """Where attention runs (hashable: a static configuration).
+
+    - `name`: `"energy"` (attention as `jax.grad` of the free energy), `"reference"` (softmax
+      written out), `"flash"` (the fused path of `treeattn.decode.flash_attention`), or
+      `"tree"` (the KV cache sharded over `mesh` axis `kv_axis`, `treeattn.decode.tree_decode`).
+    - `flash_backend`: the `flash_attention` backend for `"flash"` and `"tree"` (`"pallas"`
+      decodes one query at a time: calls with several queries, such as a prefill, use `"auto"`).
+    - `mesh`, `kv_axis`, `reduction`: for `"tree"`.
+    """
+
+    name: str = "energy"
+    flash_backend: str = "auto"
+    mesh: Mesh | None = None
+    kv_axis: str | tuple[str, ...] | None = None
+    reduction: str = "allreduce"
+
+    def __post_init__(self):
+        if isinstance(self.kv_axis, list):  # hashable: the backend is a static argument
+            object.__setattr__(self, "kv_axis", tuple(self.kv_axis))
+        if self.name not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {self.name!r}")
+        if self.name == "tree" and (self.mesh is None or self.kv_axis is None):
+            raise ValueError("the 'tree' attention backend needs mesh= and kv_axis=")
+
+
+def as_backend(backend, mesh=None, kv_axis=None) -> AttentionBackend:
+    if isinstance(backend, AttentionBackend):
+        return backend
+    return AttentionBackend(name=backend, mesh=mesh, kv_axis=kv_axis)
+
+
+def attend(
+    q: Float[Array, "q_seq heads qk"],
+    k: Array,
+    v: Array,
+    *,
+    head_major: bool,
+    kv_length: Int[Array, ""] | None,
+    q_offset: Int[Array, ""] | int,
+    causal: bool,
+    mask: Bool[Array, ...] | None,
+    kv_positions: Array | None,
+    backend: AttentionBackend,
+) -> Float[Array, "q_seq heads vo"]:
+    """Attention of `q` over keys/values `[kv, kv_heads, d]` (or head-major `[kv_heads, kv, d]`)
+    on `backend`. Key slot `a` holds position `kv_positions[a]` (default `a`); it is visible when
+    that position is below `kv_length` (if given: a partly filled cache) and, if `causal`, not
+    after the query (query `i` sits at `q_offset + i`)."""
+    name = backend.name
+    if name in ("energy", "reference"):
+        if head_major:  # XLA folds this into the products (their operands are head-major)
+            k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+        kv_seq = k.shape[0]
+        pos = jnp.arange(kv_seq, dtype=jnp.int32) if kv_positions is None else kv_positions
+        filled = jnp.ones(kv_seq, bool) if kv_length is None else pos < kv_length
+        visible = jnp.broadcast_to(filled, (q.shape[0], kv_seq))
+        if causal:
+            q_pos = q_offset + jnp.arange(q.shape[0], dtype=jnp.int32)
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        if mask is not None:
+            visible = visible & mask
+        fn = energy.energy_attention if name == "energy" else energy.attention_reference
+        return fn(q, k, v, mask=visible)
+    if mask is not None:
+        raise ValueError(
+            f"backend {name!r} takes no attention mask (it masks by kv_length and causality); "
+            "use backend='energy' or 'reference' for arbitrary masks"
+        )
+    layout = "bhsd" if head_major else "bshd"
+    positions = None if kv_positions is None else kv_positions[None]
+    kernel = backend.flash_backend
+    if kernel == "pallas" and (q.shape[0] > 1 or positions is not None):
+        # The Pallas decode kernel takes one query, with the keys in position order: prefill
+        # chunks, and caches appended round-robin over devices, use another kernel.
+        kernel = "auto"
+    if name == "flash":
+        out, _ = decode.flash_attention(
+            q[None],
+            k[None],
+            v[None],
+            causal=causal,
+            q_offset=q_offset,
+            kv_length=kv_length,
+            backend=kernel,
+            kv_layout=layout,
+            kv_positions=positions,
+        )
+        return out[0]
+    assert backend.mesh is not None and backend.kv_axis is not None
+    out = decode.tree_decode(
+        q[None],
+        k[None],
+        v[None],
+        mesh=backend.mesh,
+        kv_axis=backend.kv_axis,
+        kv_length=kv_length,
+        causal=causal,
+        q_offset=q_offset,
+        backend=kernel,
+        reduction=backend.reduction,
+        kv_layout=layout,
+        kv_positions=positions,
+    )
+    return out[0]
+
+
+class MultiheadAttention(eqx.Module):
+    r"""Multi-head attention, a drop-in replacement for `equinox.nn.MultiheadAttention`.
+
+    Same constructor arguments, field names and shapes (so weights move over with
+    `eqx.tree_at`), same call signature and results, plus:
+
+    - `num_kv_heads`: grouped-query attention (GQA; `1` is MQA). `key_proj` and `value_proj` then
+      have `num_kv_heads * qk_size` and `num_kv_heads * vo_size` outputs.
+    - `causal`: a causal mask aligned bottom-right by absolute position.
+    - `rotary`: a [`RotaryEmbedding`][treeattn.models.RotaryEmbedding] applied to queries and keys
+      at their absolute positions.
+    - `cache`: a [`KVCache`][treeattn.models.KVCache]; the call then appends the new keys and
+      values, attends over everything cached, and returns `(output, new_cache)`.
+    - `backend`: `"energy"` (default; attention as `jax.grad` of the free energy),
+      `"reference"`, `"flash"`, `"tree"`, or an
+      [`AttentionBackend`][treeattn.models.AttentionBackend]; overridable per call.
+
+    Differences from Equinox: a query that may attend to nothing gets output 0 (Equinox averages
+    every value), and attention-weight dropout needs `backend="reference"` (the other backends
+    never form the weights).
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    rotary: RotaryEmbedding | None
+
+    num_heads: int = eqx.field(static=True)
+    query_size: int = eqx.field(static=True)
+    key_size: int = eqx.field(static=True)
+    value_size: int = eqx.field(static=True)
+    output_size: int = eqx.field(static=True)
+    qk_size: int = eqx.field(static=True)
+    vo_size: int = eqx.field(static=True)
+    use_query_bias: bool = eqx.field(static=True)
+    use_key_bias: bool = eqx.field(static=True)
+    use_value_bias: bool = eqx.field(static=True)
+    use_output_bias: bool = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    backend: AttentionBackend = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_heads: int,
+        query_size: int,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        output_size: int | None = None,
+        qk_size: int | None = None,
+        vo_size: int | None = None,
+        use_query_bias: bool = False,
+        use_key_bias: bool = False,
+        use_value_bias: bool = False,
+        use_output_bias: bool = False,
+        dropout_p: float = 0.0,
+        inference: bool = False,
+        dtype=None,
+        *,
+        num_kv_heads: int | None = None,
+        causal: bool = False,
+        rotary: RotaryEmbedding | None = None,
+        backend: str | AttentionBackend = "energy",
+        mesh: Mesh | None = None,
+        kv_axis: str | tuple[str, ...] | None = None,
+        key: PRNGKeyArray,
+    ):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"MultiheadAttention: num_heads={num_heads} must be a multiple of "
+                f"num_kv_heads={num_kv_heads}"
+            )
+        qkey, kkey, vkey, okey = jax.random.split(key, 4)
+        key_size = query_size if key_size is None else key_size
+        value_size = query_size if value_size is None else value_size
+        qk_size = query_size // num_heads if qk_size is None else qk_size
+        vo_size = query_size // num_heads if vo_size is None else vo_size
+        output_size = query_size if output_size is None else output_size
+        if rotary is not None and rotary.dim != qk_size:
+            raise ValueError(f"MultiheadAttention: rotary dim {rotary.dim} != qk_size {qk_size}")
+        lin = eqx.nn.Linear
+        self.query_proj = lin(
+            query_size, num_heads * qk_size, use_bias=use_query_bias, dtype=dtype, key=qkey
+        )
+        self.key_proj = lin(
+            key_size, num_kv_heads * qk_size, use_bias=use_key_bias, dtype=dtype, key=kkey
+        )
+        self.value_proj = lin(
+            value_size, num_kv_heads * vo_size, use_bias=use_value_bias, dtype=dtype, key=vkey
+        )
+        self.output_proj = lin(
+            num_heads * vo_size, output_size, use_bias=use_output_bias, dtype=dtype, key=okey
+        )
+        self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
+        self.rotary = rotary
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.query_size, self.key_size, self.value_size = query_size, key_size, value_size
+        self.output_size, self.qk_size, self.vo_size = output_size, qk_size, vo_size
+        self.use_query_bias, self.use_key_bias = use_query_bias, use_key_bias
+        self.use_value_bias, self.use_output_bias = use_value_bias, use_output_bias
+        self.causal = causal
+        self.backend = as_backend(backend, mesh, kv_axis)
+
+    def _project(self, proj, x, heads):
+        return jax.vmap(proj)(x).reshape(x.shape[0], heads, -1)
+
+    @jax.named_scope("treeattn.models.MultiheadAttention")
+    def __call__(
+        self,
+        query: Float[Array, "q_seq q_size"],
+        key_: Float[Array, "kv_seq k_size"],
+        value: Float[Array, "kv_seq v_size"],
+        mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "num_heads q_seq kv_seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        deterministic: bool | None = None,
+        process_heads: Callable | None = None,
+        cache: KVCache | None = None,
+        backend: str | AttentionBackend | None = None,
+    ) -> Float[Array, "q_seq o_size"] | tuple[Float[Array, "q_seq o_size"], KVCache]:
+        """**Arguments:** as `equinox.nn.MultiheadAttention.__call__` (`query`, `key_`, `value`,
+        `mask`, `key`, `inference`, `deterministic`, `process_heads`), plus `cache` (the KV cache
+        of this layer: the new keys and values are appended, and attention runs over all cached
+        tokens, the queries at the positions after them) and `backend` (overrides the layer's).
+
+        **Returns:** `[q_seq, output_size]`, or `(output, new_cache)` when `cache` is given.
+        """
+        if deterministic is not None:
+            inference = deterministic
+            warnings.warn(
+                "MultiheadAttention()(deterministic=...) is deprecated in favour of "
+                "MultiheadAttention()(inference=...)",
+                stacklevel=2,
+            )
+        q_seq, kv_seq = query.shape[0], key_.shape[0]
+        if value.shape[0] != kv_seq:
+            raise ValueError("key and value must both be sequences of equal length.")
+        be = self.backend if backend is None else as_backend(backend)
+        q = self._project(self.query_proj, query, self.num_heads)
+        k = self._project(self.key_proj, key_, self.num_kv_heads)
+        v = self._project(self.value_proj, value, self.num_kv_heads)
+        if process_heads is not None:
+            shapes = (q.shape, k.shape, v.shape)
+            q, k, v = process_heads(q, k, v)
+            if (q.shape, k.shape, v.shape) != shapes:
+                raise ValueError("process_heads must not change the shape of the heads.")
+        # Absolute positions: after a cache of n tokens the new ones are n, n+1, ...; without a
+        # cache the queries are the last q_seq positions of the key sequence (bottom-right).
+        if cache is None:
+            k_pos = jnp.arange(kv_seq, dtype=jnp.int32)
+            q_offset = kv_seq - q_seq
+        else:
+            k_pos = cache.length + jnp.arange(kv_seq, dtype=jnp.int32)
+            q_offset = cache.length
+        q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
+        if self.rotary is not None:
+            q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
+        dropout_on = self.dropout.p > 0 and not (
+            self.dropout.inference if inference is None else inference
+        )
+        if cache is None:
+            if dropout_on:
+                attn = self._attend_with_dropout(q, k, v, mask, q_offset, key, inference)
+            else:
+                attn = attend(
+                    q,
+                    k,
+                    v,
+                    head_major=False,
+                    kv_length=None,
+                    q_offset=q_offset,
+                    causal=self.causal,
+                    mask=mask,
+                    kv_positions=None,
+                    backend=be,
+                )
+            new_cache = None
+        else:
+            if dropout_on:
+                raise ValueError("attention dropout is for training, not for a KV cache")
+            if mask is not None:
+                raise ValueError(
+                    "MultiheadAttention: mask= cannot be combined with cache= (with a cache, "
+                    "keys are masked by the filled length and, if causal, by position)"
+                )
+            new_cache = cache.append(k, v)
+            q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
+            positions = None if cache.devices == 1 else jnp.asarray(cache.positions(), jnp.int32)
+            attn = attend(
+                q,
+                new_cache.k,
+                new_cache.v,
+                head_major=True,
+                kv_length=new_cache.length,
+                q_offset=q_offset,
+                causal=self.causal,
+                mask=mask,
+                kv_positions=positions,
+                backend=be,
+            )
+        out = jax.vmap(self.output_proj)(attn.reshape(q_seq, -1).astype(query.dtype))
+        return out if new_cache is None else (out, new_cache)
+
+    def _attend_with_dropout(self, q, k, v, mask, q_offset, key, inference):
+        """Softmax attention with dropout on the weights (Equinox's semantics)."""
+        group = self.num_heads // self.num_kv_heads
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+        logits = jnp.einsum("shd,Shd->hsS", q, k).astype(jnp.float32) / jnp.sqrt(self.qk_size)
+        visible = jnp.ones(logits.shape[1:], bool)
+        if self.causal:
+            visible = jnp.arange(k.shape[0])[None, :] <= q_offset + jnp.arange(q.shape[0])[:, None]
+        if mask is not None:
+            visible = visible & mask
+        logits = jnp.where(visible, logits, -jnp.inf)
+        weights = jax.nn.softmax(logits, axis=-1, where=jnp.broadcast_to(visible, logits.shape))
+        weights = jnp.where(jnp.isfinite(weights), weights, 0.0).astype(q.dtype)
+        # One dropout key per head, as Equinox splits them.
+        keys = None if key is None else jax.random.split(key, self.num_heads)
+        weights = jax.vmap(lambda w, k: self.dropout(w, key=k, inference=inference))(weights, keys)
+        return jnp.einsum("hsS,Shd->shd", weights, v)

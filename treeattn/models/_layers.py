@@ -1,0 +1,109 @@
+"""Llama building blocks: RMSNorm, rotary position embeddings (with Llama-3 scaling), SwiGLU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+class RMSNorm(eqx.Module):
+    r"""Root-mean-square layer norm, $y = w \odot x / \sqrt{\overline{x^2} + \epsilon}$.
+
+    The statistics are taken in float32 and the result cast back (as Llama does).
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, dtype=None):
+        self.weight = jnp.ones((dim,), dtype or jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight * h.astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama-3's rotary frequency scaling (`rope_scaling` with `rope_type: "llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class RotaryEmbedding(eqx.Module):
+    r"""Rotary position embeddings (RoFormer) in the "rotate half" convention of Llama.
+
+    Position $t$ rotates the pairs $(x_i, x_{i + d/2})$ by angles $t\,\theta^{-2i/d}$, with the
+    inverse frequencies optionally rescaled as in Llama 3. Positions are absolute, so a query
+    appended after a cache of $n$ tokens is rotated by $n$, not 0.
+    """
+
+    dim: int = eqx.field(static=True)
+    theta: float = eqx.field(static=True)
+    scaling: Llama3Scaling | None = eqx.field(static=True)
+
+    def __init__(self, dim: int, theta: float = 10000.0, scaling: Llama3Scaling | None = None):
+        if dim % 2:
+            raise ValueError(f"RotaryEmbedding: dim must be even, got {dim}")
+        self.dim, self.theta, self.scaling = dim, theta, scaling
+
+    def inv_freq(self) -> np.ndarray:
+        """Inverse frequencies, `[dim // 2]` (computed in float64 NumPy, a constant)."""
+        inv = 1.0 / self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim)
+        s = self.scaling
+        if s is None:
+            return inv
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+    def __call__(
+        self, x: Float[Array, "seq heads dim"], positions: Int[Array, " seq"]
+    ) -> Float[Array, "seq heads dim"]:
+        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq(), jnp.float32)
+        cos = jnp.cos(freqs)[:, None, :]
+        sin = jnp.sin(freqs)[:, None, :]
+        h = x.astype(jnp.float32)
+        x1, x2 = h[..., : self.dim // 2], h[..., self.dim // 2 :]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return out.astype(x.dtype)
+
+
+class SwiGLU(eqx.Module):
+    r"""The gated feed-forward block of Llama: $W_\mathrm{down}(\mathrm{silu}(W_\mathrm{gate}x)
+    \odot W_\mathrm{up}x)$."""
+
+    gate_proj: eqx.nn.Linear
+    up_proj: eqx.nn.Linear
+    down_proj: eqx.nn.Linear
+
+    def __init__(
+        self, dim: int, hidden: int, *, use_bias: bool = False, dtype=None, key: PRNGKeyArray
+    ):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.gate_proj = eqx.nn.Linear(dim, hidden, use_bias=use_bias, dtype=dtype, key=k1)
+        self.up_proj = eqx.nn.Linear(dim, hidden, use_bias=use_bias, dtype=dtype, key=k2)
+        self.down_proj = eqx.nn.Linear(hidden, dim, use_bias=use_bias, dtype=dtype, key=k3)
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        gate = jax.vmap(self.gate_proj)(x)
+        up = jax.vmap(self.up_proj)(x)
+        return jax.vmap(self.down_proj)(jax.nn.silu(gate) * up)

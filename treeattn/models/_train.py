@@ -1,0 +1,225 @@
+"""Training a small language model with optax, and the character tokenizer it uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable
+from typing import cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int
+
+from ._attention import AttentionBackend, as_backend
+from ._llama import Transformer
+
+
+DATA = pathlib.Path(__file__).with_name("data")
+CHECKPOINTS = pathlib.Path(__file__).with_name("checkpoints")
+
+
+@dataclasses.dataclass(frozen=True)
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    chars: str
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> np.ndarray:
+        index = {c: i for i, c in enumerate(self.chars)}
+        unknown = sorted(set(text) - set(index))
+        if unknown:
+            raise ValueError(f"CharTokenizer.encode: characters not in the alphabet: {unknown}")
+        return np.fromiter((index[c] for c in text), np.int32, len(text))
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in np.asarray(ids).reshape(-1))
+
+    def save(self, path: str | pathlib.Path) -> None:
+        path = pathlib.Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": self.chars}))
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> CharTokenizer:
+        return cls(json.loads((pathlib.Path(path) / "tokenizer.json").read_text())["chars"])
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation: AdamW with linear warm-up then cosine decay, global-norm clipping."""
+
+    steps: int = 2000
+    batch_size: int = 16
+    seq_len: int = 256
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    final_learning_rate: float = 3e-4
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 500
+
+    def optimizer(self) -> optax.GradientTransformation:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0,
+            self.learning_rate,
+            self.warmup_steps,
+            max(self.steps, self.warmup_steps + 1),
+            self.final_learning_rate,
+        )
+
+        def decay_mask(params):
+            # Decay the weights of linear and embedding layers, not biases or norm gains. By
+            # name, not by rank: the stacked layers make every gain and bias 2-d.
+            def decays(path, _):
+                names = [getattr(k, "name", "") for k in path]
+                return names[-1] == "weight" and not names[-2].endswith("norm")
+
+            return jax.tree_util.tree_map_with_path(decays, params)
+
+        return optax.chain(
+            optax.clip_by_global_norm(self.clip_norm),
+            optax.adamw(schedule, weight_decay=self.weight_decay, mask=decay_mask),
+        )
+
+
+def lm_loss(
+    model: Transformer,
+    inputs: Int[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
+    backend: AttentionBackend | None = None,
+) -> Float[Array, ""]:
+    """Mean next-token cross-entropy over a batch."""
+    logits = jax.vmap(lambda x: cast(Array, model(x, backend=backend)))(inputs)
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+    """Random windows of `seq_len + 1` tokens, forever."""
+    rng = np.random.default_rng(seed)
+    if len(tokens) <= seq_len:
+        raise ValueError(f"train: the text ({len(tokens)} tokens) must exceed seq_len={seq_len}")
+    while True:
+        starts = rng.integers(0, len(tokens) - seq_len, batch_size)
+        windows = np.stack([tokens[s : s + seq_len + 1] for s in starts])
+        yield windows[:, :-1], windows[:, 1:]
+
+
+def train(
+    model: Transformer,
+    tokens: np.ndarray,
+    config: TrainConfig = TrainConfig(),
+    *,
+    backend: str | AttentionBackend | None = None,
+    checkpoint_dir: str | pathlib.Path | None = None,
+    tokenizer: CharTokenizer | None = None,
+    progress: bool = True,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[Transformer, list[float]]:
+    """Train `model` on random windows of `tokens` with optax; returns it and the losses.
+
+    `backend` chooses the attention used in training (`"energy"` trains through the gradient of
+    the free energy: a second derivative of F). With `checkpoint_dir`, the model (Hugging Face
+    format), the tokenizer, the optimiser state and the step are written every
+    `config.checkpoint_every` steps and at the end; training resumes from them if present.
+    """
+    be = None if backend is None else as_backend(backend)
+    optimizer = config.optimizer()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    with jax.numpy_dtype_promotion("standard"):
+        opt_state = optimizer.init(params)
+    start = 0
+    if checkpoint_dir is not None:
+        state_file = pathlib.Path(checkpoint_dir) / "train_state.eqx"
+        if state_file.exists():
+            meta = json.loads((pathlib.Path(checkpoint_dir) / "train_state.json").read_text())
+            model = Transformer.from_pretrained(
+                checkpoint_dir,
+                backend=model.layers.self_attn.backend,
+                dtype=model.embed_tokens.weight.dtype,
+            )
+            params, static = eqx.partition(model, eqx.is_inexact_array)
+            # The optimiser state mirrors the parameters' pytree: rebuild it from the loaded model.
+            with jax.numpy_dtype_promotion("standard"):
+                opt_state = optimizer.init(params)
+            opt_state = eqx.tree_deserialise_leaves(state_file, opt_state)
+            start = meta["step"]
+
+    @eqx.filter_jit
+    def step(params, opt_state, x, y):
+        def loss(p):
+            return lm_loss(eqx.combine(p, static), x, y, be)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        # optax mixes its integer step count with floats, which strict promotion rejects.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    data = batches(tokens, config.batch_size, config.seq_len, config.seed)
+    for _ in range(start):  # resume: the same data order as an uninterrupted run
+        next(data)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=start, desc="train", unit="step")
+    losses: list[float] = []
+    for i in range(start, config.steps):
+        x, y = next(data)
+        params, opt_state, value = step(params, opt_state, jnp.asarray(x), jnp.asarray(y))
+        loss = float(value)
+        losses.append(loss)
+        if on_step is not None:
+            on_step(i, loss)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+        done = i + 1 == config.steps
+        if checkpoint_dir is not None and ((i + 1) % config.checkpoint_every == 0 or done):
+            save_checkpoint(
+                cast(Transformer, eqx.combine(params, static)),
+                checkpoint_dir,
+                tokenizer=tokenizer,
+                opt_state=opt_state,
+                step=i + 1,
+            )
+    if bar is not None:
+        bar.close()
+    return cast(Transformer, eqx.combine(params, static)), losses
+
+
+def save_checkpoint(
+    model: Transformer,
+    path: str | pathlib.Path,
+    *,
+    tokenizer: CharTokenizer | None = None,
+    opt_state=None,
+    step: int | None = None,
+) -> None:
+    path = pathlib.Path(path)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save(path)
+    if opt_state is not None:
+        eqx.tree_serialise_leaves(path / "train_state.eqx", opt_state)
+        (path / "train_state.json").write_text(json.dumps({"step": step}))
+
+
+def load_text(name: str = "sonnets.txt") -> str:
+    """A text shipped with treeattn (`sonnets.txt`: Shakespeare's Sonnets, public domain)."""
+    return (DATA / name).read_text()
