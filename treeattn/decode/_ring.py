@@ -100,5 +100,5 @@ def _ring(layout: Sharded, q, k, v, offsets, lengths, positions, *, scale):
         _, _, _, out, lse = lax.fori_loop(1, p, step, (k, v, positions, out, lse))
         return out.astype(q.dtype)
 
-    mapped = layout.shard_map(local, replicated_by_construction=True)
+    mapped = layout.shard_map(local)
     return mapped(q, k, v, offsets, lengths, positions)

@@ -103,7 +103,21 @@ class KVCache(eqx.Module):
             f"KVCache.append: writing {n} token(s) would overflow the cache of "
             f"max_len={self.max_len}",
         )
-        slots = self.slots(length + jnp.arange(n, dtype=jnp.int32))
-        new_k = self.k.at[..., slots, :].set(jnp.swapaxes(k, 0, 1).astype(self.k.dtype))
-        new_v = self.v.at[..., slots, :].set(jnp.swapaxes(v, 0, 1).astype(self.v.dtype))
+        k = jnp.swapaxes(k, 0, 1).astype(self.k.dtype)  # head-major, as stored
+        v = jnp.swapaxes(v, 0, 1).astype(self.v.dtype)
+        if self.devices == 1 or n == 1:
+            # The new tokens take consecutive slots: an in-place slice update (a scatter, under
+            # vmap, copies the whole cache every step).
+            start = self.slots(length)
+            new_k = _write(self.k, k, start)
+            new_v = _write(self.v, v, start)
+        else:
+            slots = self.slots(length + jnp.arange(n, dtype=jnp.int32))
+            new_k = self.k.at[..., slots, :].set(k)
+            new_v = self.v.at[..., slots, :].set(v)
         return KVCache(k=new_k, v=new_v, length=length + n, devices=self.devices, block=self.block)
+
+
+def _write(buffer: Array, new: Array, start: Array) -> Array:
+    """`buffer[..., start:start + n, :] = new` for `buffer[..., heads, slots, d]`."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new, start, axis=buffer.ndim - 2)

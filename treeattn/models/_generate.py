@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -116,34 +118,35 @@ def generate(
 # reuses the compiled loop.
 @eqx.filter_jit
 def _generate_batch(model, prompts, cache, keys, *, max_new_tokens, temperature, top_k, backend):
-    def one(prompt, key):
-        return _generate_one(
-            model,
-            prompt,
-            cache,
-            key,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            backend=backend,
-        )
-
-    return jax.vmap(one)(prompts, keys)
-
-
-def _generate_one(model, prompt, cache, key, *, max_new_tokens, temperature, top_k, backend):
-    logits, cache = model(prompt, cache, backend=backend)
+    batch = prompts.shape[0]
+    # One cache per row, the batch axis right after the layer axis: the layout the layer scan
+    # slices without transposing (a batch axis in front would transpose the cache every step).
+    cache = jax.tree.map(
+        lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], batch, *x.shape[1:])), cache
+    )
+    axes = jax.tree.map(lambda _: 1, cache)
+    forward = jax.vmap(
+        lambda tokens, cache: model(tokens, cache, backend=backend),
+        in_axes=(0, axes),
+        out_axes=(0, axes),
+    )
     sampling = temperature != 0.0
+
+    def pick(logits, i):
+        subs = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys) if sampling else None
+        draw = functools.partial(sample, temperature=temperature, top_k=top_k)
+        if subs is None:
+            return jax.vmap(lambda lg: draw(lg, None))(logits)
+        return jax.vmap(draw)(logits, subs)
 
     def step(carry, i):
         logits, cache = carry
-        sub = jax.random.fold_in(key, i) if sampling else None
-        token = sample(logits, sub, temperature=temperature, top_k=top_k)
-        next_logits, cache = model(token[None], cache, backend=backend)
-        return (next_logits[0], cache), token
+        token = pick(logits, i)
+        next_logits, cache = forward(token[:, None], cache)
+        return (next_logits[:, 0], cache), token
 
+    logits, cache = forward(prompts, cache)
     # The last token needs no forward pass of its own: scan one step fewer, then sample it.
-    (last, _), new = jax.lax.scan(step, (logits[-1], cache), jnp.arange(max_new_tokens - 1))
-    sub = jax.random.fold_in(key, max_new_tokens - 1) if sampling else None
-    final = sample(last, sub, temperature=temperature, top_k=top_k)
-    return jnp.concatenate([prompt.astype(jnp.int32), new, final[None]])
+    (last, _), new = jax.lax.scan(step, (logits[:, -1], cache), jnp.arange(max_new_tokens - 1))
+    final = pick(last, max_new_tokens - 1)
+    return jnp.concatenate([prompts.astype(jnp.int32), new.T, final[:, None]], axis=1)
