@@ -46,6 +46,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/energy.py
 	$(BIN)/python benchmarks/reduction.py
 	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/generate.py
+	$(BIN)/python benchmarks/multihost.py
+	$(BIN)/python benchmarks/cost_model.py --measure
 
 clean:
 	rm -rf .venv .venv-jax* site

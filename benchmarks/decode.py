@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--no-ring", action="store_true", help="skip the ring baseline")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
+        "--name", default="decode", help="results/<name>.json (the plot only for 'decode')"
+    )
+    parser.add_argument(
         "--layouts-only", action="store_true", help="only the one-device layout comparison"
     )
     args = parser.parse_args()
@@ -209,12 +212,14 @@ def run(args) -> None:
         "XLA memory analysis); B/dev: bytes one device sends (HLO, ring model)."
     )
     targets(rows)
-    layout_rows = layouts(args)
+    layout_rows = layouts(args) if args.name == "decode" else []
     path = write_json(
-        "decode", {"machine": machine(), "args": vars(args), "rows": rows, "layouts": layout_rows}
+        args.name,
+        {"machine": machine(), "args": vars(args), "rows": rows, "layouts": layout_rows},
     )
     print(f"wrote {path}")
-    plot(rows)
+    if args.name == "decode":
+        plot(rows)
 
 
 def layouts(args) -> list[dict]:

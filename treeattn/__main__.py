@@ -1,3 +1,5 @@
+"""`python -m treeattn` is the `treeattn` command."""
+
 import sys
 
 from ._cli import main

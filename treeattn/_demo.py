@@ -211,6 +211,7 @@ def run() -> int:
 def model_demo(new_tokens: int = 240) -> int:
     """Generate with tree decoding over 8 devices; replay each step through every backend."""
     from jax.sharding import Mesh
+    from tqdm.auto import tqdm
 
     from .models import AttentionBackend, Transformer, decode_step, generate, prefill
     from .models._train import CHECKPOINTS, CharTokenizer
@@ -255,15 +256,19 @@ def model_demo(new_tokens: int = 240) -> int:
     }
     steps_checked = {"flash / pallas (interpret)": 16}
     logits = {}
-    for name, be in backends.items():
-        m = steps_checked.get(name, len(tokens) - n)
-        cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis)
-        first, cache = prefill(model, tokens[:n], cache, backend=be)
-        rows = [first[-1]]
-        for t in range(n, n + m - 1):
-            step, cache = decode_step(model, tokens[t], cache, backend=be)
-            rows.append(step)
-        logits[name] = jnp.stack(rows)
+    total = sum(steps_checked.get(name, len(tokens) - n) for name in backends)
+    with tqdm(total=total, desc="replaying", unit="step", leave=False) as bar:
+        for name, be in backends.items():
+            m = steps_checked.get(name, len(tokens) - n)
+            cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis)
+            first, cache = prefill(model, tokens[:n], cache, backend=be)
+            rows = [first[-1]]
+            bar.update(1)
+            for t in range(n, n + m - 1):
+                step, cache = decode_step(model, tokens[t], cache, backend=be)
+                rows.append(step)
+                bar.update(1)
+            logits[name] = jnp.stack(rows)
     base = logits["reference"]
     print("\nper-step agreement of next-token logits with the reference path:")
     print(f"  {'backend':<28} {'steps':>6} {'max |logit diff|':>17} {'same argmax':>12}  ok")

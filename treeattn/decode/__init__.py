@@ -7,5 +7,19 @@ from ._backends import (
     flash_attention_reference as flash_attention_reference,
     select_backend as select_backend,
 )
+from ._cost_model import (
+    DGX_H100 as DGX_H100,
+    Cluster as Cluster,
+    DecodeCost as DecodeCost,
+    cost_model as cost_model,
+)
+from ._distributed import (
+    ProcessConfig as ProcessConfig,
+    check_devices as check_devices,
+    initialize as initialize,
+    kv_mesh as kv_mesh,
+    node_mesh as node_mesh,
+    process_config_from_env as process_config_from_env,
+)
 from ._ring import ring_decode as ring_decode
 from ._tree import tree_decode as tree_decode
