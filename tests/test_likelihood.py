@@ -83,7 +83,8 @@ def test_unreachable_target_does_not_converge(getkey):
     z = z.at[1].set(10.0 * jnp.max(jnp.abs(v)))  # outside the convex hull of the values
     sol = tilted_source(z, q, k, v, max_steps=30)
     assert bool(sol.converged[0, 0]) and int(sol.num_steps[0, 0]) == 0
-    assert not bool(sol.converged[1, 0]) and int(sol.num_steps[1, 0]) == 30
+    # It gives up at max_steps, or earlier once a step makes no progress.
+    assert not bool(sol.converged[1, 0]) and 0 < int(sol.num_steps[1, 0]) <= 30
     assert np.isfinite(sol.zeta).all()
 
 

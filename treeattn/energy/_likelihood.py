@@ -131,13 +131,16 @@ def tilted_source(
     A solution exists when each $z_{i,h}$ lies in the relative interior of the convex hull of the
     values the query sees; it is unique up to directions in which those values do not vary, and
     starting from 0 the solver returns the minimum-norm one. For an unreachable `z` the supremum
-    is not attained: the solver stops at `max_steps` with `converged=False`.
+    is not attained: the solver stops at `max_steps` (or once a step makes no progress) with
+    `converged=False`.
 
     **Arguments:**
 
     - `z`: target outputs `[q_seq, heads, dv]`; `q`, `k`, `v`, `causal`, `mask`, `scale`,
       `q_offset` as in [`multihead_free_energy`][treeattn.energy.multihead_free_energy].
-    - `solver`: an optax transformation; default `optax.lbfgs()`.
+    - `solver`: an optax transformation; default `optax.lbfgs()`. Up to 3 Newton steps with the
+      exact Hessian (the value covariance) follow it, for when float32 cannot resolve the
+      objective's last decrease and the line search stalls.
     - `max_steps`: iteration cap per query. A query stops when
       $\max|\partial F/\partial\zeta - z| \le \mathrm{atol} + \mathrm{rtol}\cdot\max_a|v_a|$
       (over the values it sees).
@@ -202,6 +205,9 @@ def _tilted_source(
     )
 
 
+NEWTON_STEPS = 3  # polishing steps after L-BFGS, each kept only if it helps
+
+
 def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
     """One query: minimise F(ζ) - z·ζ with F(ζ) = log Σ_visible exp(x_a + ζ·v_a), from ζ = 0."""
     empty = ~jnp.any(visible)
@@ -221,20 +227,48 @@ def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
         return jnp.max(jnp.abs(grad), initial=0.0)
 
     def cond(carry):
-        _, _, step, _, grad = carry
-        return (step < max_steps) & (residual(grad) > tol)
+        _, _, step, _, grad, stalled = carry
+        return (step < max_steps) & (residual(grad) > tol) & ~stalled
 
     def body(carry):
-        zeta, state, step, value, grad = carry
+        zeta, state, step, value, grad, _ = carry
         updates, state = opt.update(grad, state, zeta, value=value, grad=grad, value_fn=objective)
-        zeta = cast(Array, optax.apply_updates(zeta, updates))
-        value, grad = value_and_grad(zeta)
-        return zeta, state, step + 1, value, grad
+        new = cast(Array, optax.apply_updates(zeta, updates))
+        value, grad = value_and_grad(new)
+        return new, state, step + 1, value, grad, jnp.all(new == zeta)
 
     zeta0 = jnp.zeros_like(z)
     value0, grad0 = value_and_grad(zeta0)
-    init = (zeta0, opt.init(zeta0), jnp.asarray(0, jnp.int32), value0, grad0)
-    zeta, _, steps, _, grad = lax.while_loop(cond, body, init)
+    no = jnp.asarray(False)
+    init = (zeta0, opt.init(zeta0), jnp.asarray(0, jnp.int32), value0, grad0, no)
+    zeta, _, steps, _, grad, _ = lax.while_loop(cond, body, init)
+
+    # Near the solution the decrease of the objective can fall below float32's resolution of
+    # its value: the line search then stalls (zero step) a little above the tolerance. Newton steps need only
+    # the gradient: H = Cov_p(v) (the Hessian of F), step = -H⁺ ∇ (least squares, so an
+    # underdetermined source stays minimum-norm); a step is kept only if it lowers the residual.
+    def newton_cond(carry):
+        _, grad, tries = carry
+        return (tries < NEWTON_STEPS) & (residual(grad) > tol)
+
+    def newton_body(carry):
+        zeta, grad, tries = carry
+        p = jnp.where(visible, jax.nn.softmax(jnp.where(visible, x + v @ zeta, -jnp.inf)), 0.0)
+        mean = p @ v
+        cov = (v * p[:, None]).T @ v - jnp.outer(mean, mean)
+        new = zeta - jnp.linalg.lstsq(cov, grad)[0]
+        new_grad = jax.grad(objective)(new)
+        better = residual(new_grad) < residual(grad)
+        return (
+            jnp.where(better, new, zeta),
+            jnp.where(better, new_grad, grad),
+            jnp.where(better, tries + 1, NEWTON_STEPS),
+        )
+
+    zeta, grad, tries = lax.while_loop(
+        newton_cond, newton_body, (zeta, grad, jnp.asarray(0, jnp.int32))
+    )
+    steps = steps + jnp.minimum(tries, NEWTON_STEPS)
     res = residual(grad)
     # KL(p_ζ || p_0) = z·ζ - F(ζ) + F(0), with z = ∂F/∂ζ(ζ) at the solution.
     kl = jnp.where(empty, 0.0, z @ zeta - energy(zeta) + energy(zeta0))
