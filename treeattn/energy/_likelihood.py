@@ -244,9 +244,10 @@ def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
     zeta, _, steps, _, grad, _ = lax.while_loop(cond, body, init)
 
     # Near the solution the decrease of the objective can fall below float32's resolution of
-    # its value: the line search then stalls (zero step) a little above the tolerance. Newton steps need only
-    # the gradient: H = Cov_p(v) (the Hessian of F), step = -H⁺ ∇ (least squares, so an
-    # underdetermined source stays minimum-norm); a step is kept only if it lowers the residual.
+    # its value: the line search then stalls (zero step) a little above the tolerance. Newton
+    # steps need only the gradient: H = Cov_p(v) (the Hessian of F), step = -H⁺ ∇ (least
+    # squares, so an underdetermined source stays minimum-norm); a step is kept only if it
+    # lowers the residual.
     def newton_cond(carry):
         _, grad, tries = carry
         return (tries < NEWTON_STEPS) & (residual(grad) > tol)
