@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import energy
+from ._numpy_reference import softmax_attention_f64 as _softmax_attention_f64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,25 +49,6 @@ CASES = (
     Case("bfloat16, causal GQA", 256, 256, 8, 2, 64, dtype="bfloat16", causal=True),
 )
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
-
-
-def _softmax_attention_f64(q, k, v, vis, scale):
-    """Softmax attention in float64 NumPy: [q, h, d] x [kv, hk, d] -> [q, h, dv]."""
-    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k = np.repeat(k, group, axis=1)
-    v = np.repeat(v, group, axis=1)
-    logits = np.einsum("thd,shd->hts", q, k) * scale
-    logits = np.where(vis, logits, -np.inf)
-    m = np.max(logits, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(logits - m)
-    p /= np.maximum(p.sum(-1, keepdims=True), 1e-300)
-    mean = np.einsum("hts,shd->thd", p, v)
-    # E[v v^T] - mu mu^T; in float64 the cancellation is harmless.
-    second = np.einsum("hts,shij->thij", p, v[..., :, None] * v[..., None, :], optimize=True)
-    cov = second - mean[..., :, None] * mean[..., None, :]
-    return mean, cov
 
 
 def _rel(a, b) -> float:
