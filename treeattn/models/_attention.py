@@ -72,7 +72,8 @@ def attend(
     after the query (query `i` sits at `q_offset + i`)."""
     name = backend.name
     if name in ("energy", "reference"):
-        if head_major:  # XLA folds this into the products (their operands are head-major)
+        if head_major:  # a transposed copy of the cache: these are the checking paths; the
+            # fused ones (flash, tree) read the head-major cache as it is
             k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
         kv_seq = k.shape[0]
         pos = jnp.arange(kv_seq, dtype=jnp.int32) if kv_positions is None else kv_positions

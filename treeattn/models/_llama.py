@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from typing import Any
@@ -344,44 +345,43 @@ class Transformer(eqx.Module):
         save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+# Hugging Face's name of each projection in a layer -> ours (the same `[out, in]` matrices).
+_ATTENTION = {
+    "q_proj": "query_proj",
+    "k_proj": "key_proj",
+    "v_proj": "value_proj",
+    "o_proj": "output_proj",
+}
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _getter(path: str):
+    """`m -> m.a.b.c` for `path = "a.b.c"`."""
+    return lambda m: functools.reduce(getattr, path.split("."), m)
+
+
 def _parameter_map(config: LlamaConfig):
     """(Hugging Face name, accessor, per-layer?) for every parameter."""
-    entries: list[tuple[str, Any, bool]] = [
-        ("model.embed_tokens.weight", lambda m: m.embed_tokens.weight, False),
-        ("model.norm.weight", lambda m: m.norm.weight, False),
+    top = [
+        ("model.embed_tokens.weight", "embed_tokens.weight"),
+        ("model.norm.weight", "norm.weight"),
     ]
     if not config.tie_word_embeddings:
-        entries.append(("lm_head.weight", lambda m: m.lm_head.weight, False))
-    layer = "model.layers.{i}."
-    entries += [
-        (layer + "input_layernorm.weight", lambda m: m.layers.input_layernorm.weight, True),
-        (
-            layer + "post_attention_layernorm.weight",
-            lambda m: m.layers.post_attention_layernorm.weight,
-            True,
-        ),
-        (layer + "self_attn.q_proj.weight", lambda m: m.layers.self_attn.query_proj.weight, True),
-        (layer + "self_attn.k_proj.weight", lambda m: m.layers.self_attn.key_proj.weight, True),
-        (layer + "self_attn.v_proj.weight", lambda m: m.layers.self_attn.value_proj.weight, True),
-        (layer + "self_attn.o_proj.weight", lambda m: m.layers.self_attn.output_proj.weight, True),
-        (layer + "mlp.gate_proj.weight", lambda m: m.layers.mlp.gate_proj.weight, True),
-        (layer + "mlp.up_proj.weight", lambda m: m.layers.mlp.up_proj.weight, True),
-        (layer + "mlp.down_proj.weight", lambda m: m.layers.mlp.down_proj.weight, True),
+        top.append(("lm_head.weight", "lm_head.weight"))
+    per_layer = [
+        (f"{n}.weight", f"{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")
     ]
-    if config.attention_bias:
-        entries += [
-            (layer + "self_attn.q_proj.bias", lambda m: m.layers.self_attn.query_proj.bias, True),
-            (layer + "self_attn.k_proj.bias", lambda m: m.layers.self_attn.key_proj.bias, True),
-            (layer + "self_attn.v_proj.bias", lambda m: m.layers.self_attn.value_proj.bias, True),
-            (layer + "self_attn.o_proj.bias", lambda m: m.layers.self_attn.output_proj.bias, True),
-        ]
-    if config.mlp_bias:
-        entries += [
-            (layer + "mlp.gate_proj.bias", lambda m: m.layers.mlp.gate_proj.bias, True),
-            (layer + "mlp.up_proj.bias", lambda m: m.layers.mlp.up_proj.bias, True),
-            (layer + "mlp.down_proj.bias", lambda m: m.layers.mlp.down_proj.bias, True),
-        ]
-    return entries
+    kinds = ["weight"] + (["bias"] if config.attention_bias else [])
+    per_layer += [
+        (f"self_attn.{hf}.{kind}", f"self_attn.{ours}.{kind}")
+        for kind in kinds
+        for hf, ours in _ATTENTION.items()
+    ]
+    kinds = ["weight"] + (["bias"] if config.mlp_bias else [])
+    per_layer += [(f"mlp.{n}.{kind}", f"mlp.{n}.{kind}") for kind in kinds for n in _MLP]
+    return [(hf, _getter(ours), False) for hf, ours in top] + [
+        ("model.layers.{i}." + hf, _getter("layers." + ours), True) for hf, ours in per_layer
+    ]
 
 
 def _hf_names(config: LlamaConfig) -> set[str]:
