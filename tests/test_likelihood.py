@@ -109,7 +109,13 @@ def test_other_optax_solver(getkey):
     with jax.numpy_dtype_promotion("standard"):
         sol = tilted_source(z, q, k, v, solver=optax.adam(0.05), max_steps=3000, rtol=1e-4)
     assert np.all(sol.converged)
-    np.testing.assert_allclose(sol.zeta, zeta_true, atol=2e-2)
+    # The defining equation, in float64: dF/dzeta(zeta*) = z to the solver's tolerance. (zeta*
+    # itself is pinned only as well as the curvature allows: with 5 keys and dv = 2 a direction
+    # of small value variance can leave it 3e-2 from zeta_true at this residual.)
+    reached = ref.tilted_mean(q, k, v, sol.zeta)
+    tol = 1e-4 * float(jnp.max(jnp.abs(v)))
+    assert np.max(np.abs(reached - ref.f64(z))) <= 2 * tol
+    np.testing.assert_allclose(sol.zeta, zeta_true, atol=5e-2)
 
 
 def test_jit_and_float64(getkey):
