@@ -6,8 +6,9 @@
 
 One decode step (batch 1, one query, 16 heads of 128) against a KV cache sharded along the
 sequence over p simulated CPU devices, in the library's recommended head-major layout ("bhsd").
-For every (dtype, context, p): median latency of tree_decode, ring_decode and, at p = 1, the
-single-device flash_attention; the streaming floor (reading the local K/V shard once) measured
+For every (dtype, context, p): median latency of tree_decode (backend "auto", and "xla" as the
+named baseline for the local kernel), ring_decode and, at p = 1, the single-device
+flash_attention; the streaming floor (reading the local K/V shard once) measured
 in the same rounds; collectives and bytes per device from the compiled HLO (loops times their
 trip counts) and peak memory from XLA's memory analysis, beside the paper's formulas (29)-(35).
 Compile time is reported apart. The same script runs unchanged on GPUs (it uses whatever devices
@@ -67,8 +68,11 @@ def run(args) -> None:
     from _common import machine, write_json
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from treeattn.decode import flash_attention, ring_decode, tree_decode
+    from treeattn.decode import flash_attention, ring_decode, select_backend, tree_decode
+    from treeattn.decode._flash import check_decode
     from treeattn.profiling import collective_stats
+
+    auto = dict(causal=False, has_length=False, q_offset=0)
 
     h, dh = args.heads, args.dim
     d = h * dh
@@ -79,8 +83,9 @@ def run(args) -> None:
         f"interleaved rounds; compile time apart\n"
     )
     header = (
-        f"{'dtype':<9}{'context':>9}{'p':>3} {'floor':>9} {'tree':>9} {'ring':>10} "
-        f"{'tree/floor':>10} {'ring/tree':>9} {'tree MB':>9} {'ring MB':>9} "
+        f"{'dtype':<9}{'context':>9}{'p':>3} {'floor':>9} {'tree':>9} {'tree xla':>9} "
+        f"{'ring':>10} {'tree/floor':>10} {'xla/floor':>9} {'ring/tree':>9} {'tree MB':>9} "
+        f"{'ring MB':>9} "
         f"{'tree/ring mem':>13} {'tree B/dev':>10} {'ring B/dev':>11} {'compile t/r':>12}"
     )
     print(header)
@@ -117,10 +122,17 @@ def run(args) -> None:
                 def tree_fn(q, k, v, mesh=mesh):
                     return tree_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_layout="bhsd")
 
+                def tree_xla_fn(q, k, v, mesh=mesh):
+                    # The named baseline for the local kernel: tree decoding on the plain-JAX
+                    # blockwise kernel instead of the C++ one "auto" picks on CPU.
+                    return tree_decode(
+                        q, k, v, mesh=mesh, kv_axis="kv", kv_layout="bhsd", backend="xla"
+                    )
+
                 def ring_fn(q, k, v, mesh=mesh):
                     return ring_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_layout="bhsd")
 
-                fns = {"floor": floor_fn, "tree": tree_fn}
+                fns = {"floor": floor_fn, "tree": tree_fn, "tree_xla": tree_xla_fn}
                 if p == 1:
                     fns["single"] = lambda q, k, v: flash_attention(q, k, v, kv_layout="bhsd")[0]
                 if not args.no_ring and p > 1:
@@ -145,8 +157,11 @@ def run(args) -> None:
                             jax.block_until_ready(compiled[name](q, k, v))
                             times[name].append(time.perf_counter() - start)
                 med = {name: statistics.median(t) for name, t in times.items()}
-                paired = statistics.median(
-                    t / f for t, f in zip(times["tree"], times["floor"], strict=True)
+                paired, paired_xla = (
+                    statistics.median(
+                        t / f for t, f in zip(times[name], times["floor"], strict=True)
+                    )
+                    for name in ("tree", "tree_xla")
                 )
 
                 def peak(c):
@@ -166,6 +181,11 @@ def run(args) -> None:
                     "floor_s": med["floor"],
                     "tree_s": med["tree"],
                     "tree_over_floor_paired": paired,
+                    "tree_backend": select_backend(
+                        "auto", check_decode("b", q, k, v, kv_layout="bhsd"), q.dtype, **auto
+                    ),
+                    "tree_xla_s": med["tree_xla"],
+                    "tree_xla_over_floor_paired": paired_xla,
                     "tree_collectives": t_stats.summary(),
                     "tree_bytes_per_device": t_stats.bytes_sent(),
                     "tree_peak_bytes": peak(compiled["tree"]),
@@ -196,7 +216,8 @@ def run(args) -> None:
                 ring_s = row.get("ring_s")
                 print(
                     f"{dtype:<9}{n:>9}{p:>3} {ms(row['floor_s'])} {ms(row['tree_s'])} "
-                    f"{ms(ring_s):>10} {paired:>9.2f}x "
+                    f"{ms(row['tree_xla_s'])} {ms(ring_s):>10} {paired:>9.2f}x "
+                    f"{paired_xla:>8.2f}x "
                     f"{row.get('ring_over_tree', float('nan')):>8.1f}x "
                     f"{row['tree_peak_bytes'] / 2**20:>9.0f} "
                     f"{row.get('ring_peak_bytes', float('nan')) / 2**20:>9.0f} "
@@ -207,7 +228,8 @@ def run(args) -> None:
                 )
                 del k, v, compiled
     print(
-        "\nfloor: reading the local K/V shard once (same rounds). tree/floor: median of the "
+        "\nfloor: reading the local K/V shard once (same rounds). tree: backend 'auto' (the C++ "
+        "kernel on CPU); tree xla: backend 'xla'.\ntree/floor, xla/floor: medians of the "
         "per-round ratios.\nMB: peak memory per device (arguments + outputs + temporaries, "
         "XLA memory analysis); B/dev: bytes one device sends (HLO, ring model)."
     )
@@ -246,6 +268,16 @@ def layouts(args) -> list[dict]:
         ),
         "flash_attention bshd": (
             lambda q, k, v: flash_attention(q, k, v, kv_layout="bshd")[0],
+            ks,
+            vs,
+        ),
+        "flash_attention bhsd xla": (
+            lambda q, k, v: flash_attention(q, k, v, kv_layout="bhsd", backend="xla")[0],
+            k,
+            v,
+        ),
+        "flash_attention bshd xla": (
+            lambda q, k, v: flash_attention(q, k, v, kv_layout="bshd", backend="xla")[0],
             ks,
             vs,
         ),

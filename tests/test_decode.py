@@ -68,7 +68,13 @@ SHAPES = [(2, 1, 8, 2, 37, 16), (1, 3, 4, 4, 20, 8), (3, 4, 6, 1, 45, 16)]
 # The Pallas decode kernel takes one query per row (its refusal is tested below).
 CASES = [
     (backend, block, shape)
-    for backend, block in [("xla", None), ("xla", 8), ("reference", None), ("pallas", None)]
+    for backend, block in [
+        ("xla", None),
+        ("xla", 8),
+        ("cpu", None),
+        ("reference", None),
+        ("pallas", None),
+    ]
     for shape in SHAPES
     if backend != "pallas" or shape[1] == 1
 ]
@@ -103,7 +109,7 @@ def test_flash_attention_matches_numpy(backend, block, shape, causal, layout, dt
     check(out, lse, exp_out, exp_lse, dtype)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])
 def test_gradients_match_reference(backend, getkey):
     """Fused backends differentiate through their shared blockwise backward, lse included."""
     q, k, v = make(getkey, 2, 1, 4, 2, 24, 8)
@@ -164,7 +170,7 @@ def decode_fn(kind, p, **kw):
     return jax.jit(functools.partial(fn, mesh=mesh_of(p), kv_axis="kv", **kw))
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas", "reference"])
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas", "reference"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_tree_equals_ring_equals_one_device(p, dtype, backend, getkey):
@@ -273,7 +279,10 @@ def test_backend_selection_on_this_machine(getkey):
     dims = check_decode("t", q, k, v, kv_layout="bshd")
     kw = dict(causal=False, has_length=False, q_offset=0)
     on_gpu = jax.default_backend() == "gpu"
-    assert select_backend("auto", dims, q.dtype, **kw) == ("flash_attn_jax" if on_gpu else "xla")
+    assert select_backend("auto", dims, q.dtype, **kw) == ("flash_attn_jax" if on_gpu else "cpu")
+    # Prefill-sized rows (group * q_seq > CPU_MAX_ROWS) go to the blockwise XLA kernel.
+    long = check_decode("t", jnp.zeros((1, 9, 4, 8), q.dtype), k, v, kv_layout="bshd")
+    assert select_backend("auto", long, q.dtype, **kw) == ("flash_attn_jax" if on_gpu else "xla")
     if not on_gpu:
         with pytest.raises(BackendUnavailable, match=r"flash_attn_jax.*needs a GPU"):
             flash_attention(q, k, v, backend="flash_attn_jax")
@@ -343,7 +352,80 @@ def test_kv_positions_out_of_order_cache(p, getkey):
     for kind in ("tree", "ring"):
         out = decode_fn(kind, p, **kw)(q, ks, vs)
         assert ref.rel_err(out, expected) <= TOL[jnp.float32], kind
+    for backend in ("xla", "cpu"):
+        got, _ = flash_attention(q, ks, vs, q_offset=kv_length - q_seq, backend=backend, **kw)
+        assert ref.rel_err(got, expected) <= TOL[jnp.float32], backend
     with pytest.raises(BackendUnavailable, match="kv_positions"):
         flash_attention(
             q[:, :1], ks, vs, backend="pallas", kv_layout="bhsd", kv_positions=jnp.asarray(perm)
         )
+
+
+def test_cpu_kernel_without_a_compiler(monkeypatch, tmp_path):
+    """Without a C++ compiler the "cpu" backend says why; "auto" then uses the XLA kernel."""
+    from treeattn.decode import _native
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found \(set \$CXX"):
+        _native._compiler()
+
+
+def test_cpu_kernel_cache_is_reused(monkeypatch, tmp_path):
+    """The kernel is built once per (source, jax, compiler, flags, CPU) into the cache dir."""
+    from treeattn.decode import _native
+
+    monkeypatch.setenv("TREEATTN_CACHE_DIR", str(tmp_path))
+    first = _native._build()
+    assert first.parent == tmp_path and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert _native._build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_cpu_kernel_threads_over_batch_and_heads(getkey):
+    """Many (batch row, kv head) items, shared between the caller and XLA's thread pool."""
+    q, k, v = make(getkey, 5, 2, 12, 3, 150, 16)
+    kv_length = jnp.asarray([150, 1, 0, 77, 129])
+    q_offset = kv_length - 2
+    out, lse = flash_attention(
+        q, k, v, causal=True, q_offset=q_offset, kv_length=kv_length, backend="cpu"
+    )
+    exp_out, exp_lse = np_decode(
+        q, k, v, np.asarray(kv_length), causal=True, q_offset=np.asarray(q_offset)
+    )
+    check(out, lse, exp_out, exp_lse, jnp.float32)
+
+
+def test_cpu_kernel_under_vmap(getkey):
+    """vmap over a batch of caches folds into the kernel's batch axis (one call, no loop); over
+    queries that share one cache, calls run in turn. Both match the XLA kernel, gradients too."""
+    q = jax.random.normal(getkey(), (3, 2, 1, 4, 8))  # [vmap, batch, q_seq, heads, dim]
+    k = jax.random.normal(getkey(), (3, 2, 20, 2, 8))  # [vmap, batch, kv_seq, kv_heads, dim]
+    v = jax.random.normal(getkey(), (3, 2, 20, 2, 8))
+    lengths = jnp.asarray([[20, 5], [3, 0], [11, 17]])
+
+    def batched(backend):
+        return jax.vmap(lambda q, k, v, n: flash_attention(q, k, v, kv_length=n, backend=backend))
+
+    def shared(backend):
+        return jax.vmap(lambda q: flash_attention(q, k[0], v[0], kv_length=9, backend=backend))
+
+    jaxpr = str(jax.make_jaxpr(batched("cpu"))(q, k, v, lengths))
+    assert jaxpr.count("ffi_call") == 1 and "while" not in jaxpr
+    for got, want in [
+        (batched("cpu")(q, k, v, lengths), batched("xla")(q, k, v, lengths)),
+        (shared("cpu")(q), shared("xla")(q)),
+    ]:
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def loss(backend, q, k, v):
+        return jnp.sum(jnp.sin(flash_attention(q, k, v, causal=True, backend=backend)[0]))
+
+    for a, b in zip(
+        jax.vmap(jax.grad(functools.partial(loss, "cpu"), (0, 1, 2)))(q, k, v),
+        jax.vmap(jax.grad(functools.partial(loss, "xla"), (0, 1, 2)))(q, k, v),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

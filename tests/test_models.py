@@ -178,8 +178,14 @@ def test_rmsnorm_and_rotary_against_numpy(getkey):
 # The decoder on every backend
 # ---------------------------------------------------------------------------------------------
 
-BACKENDS = ["energy", "reference", "flash", AttentionBackend("flash", flash_backend="pallas")]
-BACKEND_IDS = ["energy", "reference", "flash-xla", "flash-pallas"]
+BACKENDS = [
+    "energy",
+    "reference",
+    "flash",  # "auto": the C++ kernel for decode steps on CPU, the XLA kernel for prefill
+    AttentionBackend("flash", flash_backend="xla"),
+    AttentionBackend("flash", flash_backend="pallas"),
+]
+BACKEND_IDS = ["energy", "reference", "flash-auto", "flash-xla", "flash-pallas"]
 
 
 def run_decoding(model, tokens, n_prompt, backend, cache):

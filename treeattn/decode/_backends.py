@@ -23,9 +23,15 @@ from ._flash import (
     reference_forward,
     xla_forward,
 )
+from ._native import cpu_forward, unavailable as native_unavailable
 
 
-BACKENDS = ("auto", "flash_attn_jax", "cudnn", "pallas", "xla", "reference")
+BACKENDS = ("auto", "flash_attn_jax", "cudnn", "pallas", "cpu", "xla", "reference")
+
+# "auto" on CPU takes the C++ kernel up to this many query rows per kv head (group * q_seq):
+# decoding and speculative steps, where the kernel streams K/V at memory speed. Longer rows
+# (prefill) are matrix products, which XLA's blocked kernel does better.
+CPU_MAX_ROWS = 16
 
 
 class BackendUnavailable(ValueError):
@@ -121,6 +127,7 @@ _FORWARD = {
     "flash_attn_jax": _flash_attn_jax_forward,
     "cudnn": _cudnn_forward,
     "pallas": _pallas_forward,
+    "cpu": cpu_forward,
     "xla": xla_forward,
 }
 
@@ -138,6 +145,12 @@ def why_not(
     """Why `backend` cannot run this call here, or None if it can."""
     if backend in ("xla", "reference"):
         return None
+    if backend == "cpu":
+        if jax.default_backend() != "cpu":
+            return f"it runs on XLA:CPU (jax.default_backend() is {jax.default_backend()!r})"
+        if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+            return f"it takes float32/bfloat16 only, got {jnp.dtype(dtype)}"
+        return native_unavailable()
     if has_positions:
         return "it needs the keys in position order (kv_positions was given)"
     if backend == "pallas":
@@ -184,8 +197,14 @@ def select_backend(
             raise BackendUnavailable(f"flash_attention: backend={backend!r} unavailable: {reason}")
         return backend
     # On GPUs: FlashAttention, then cuDNN, then the Pallas decode kernel. On CPU the
-    # interpreted Pallas kernel is for testing only, so the blockwise XLA kernel is used.
-    order = ("flash_attn_jax", "cudnn", "pallas", "xla") if _gpu() else ("xla",)
+    # interpreted Pallas kernel is for testing only: the C++ kernel decodes, the blockwise XLA
+    # kernel does the rest (and everything where no C++ compiler is found).
+    if _gpu():
+        order = ("flash_attn_jax", "cudnn", "pallas", "xla")
+    elif dims.group * dims.q_seq <= CPU_MAX_ROWS:
+        order = ("cpu", "xla")
+    else:
+        order = ("xla",)
     return next(b for b in order if why_not(b, dims, dtype, **kw) is None)
 
 
