@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh
 from test_energy import TOL
 
@@ -429,3 +430,40 @@ def test_cpu_kernel_under_vmap(getkey):
         strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=15)
+@given(
+    batch=st.integers(1, 3),
+    q_seq=st.integers(1, 4),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    kv_seq=st.integers(1, 300),  # across the kernel's 128-key blocks
+    fill=st.floats(0.0, 1.0),
+    causal=st.booleans(),
+    layout=st.sampled_from(["bshd", "bhsd"]),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_kernel_matches_numpy(
+    batch, q_seq, kv_heads, group, kv_seq, fill, causal, layout, seed
+):
+    """The C++ kernel against float64 NumPy over random shapes, fills and masks."""
+    keys = iter(jax.random.split(jax.random.key(seed), 3))
+    q, k, v = make(lambda: next(keys), batch, q_seq, kv_heads * group, kv_heads, kv_seq, 8)
+    k = k * 3.0  # peaked softmax: rescaling across blocks matters
+    kv_length = jnp.asarray([round(fill * kv_seq)] * batch) - jnp.arange(batch) % 2
+    q_offset = kv_length - q_seq
+    out, lse = flash_attention(
+        q,
+        to_layout(k, layout),
+        to_layout(v, layout),
+        causal=causal,
+        q_offset=q_offset,
+        kv_length=kv_length,
+        backend="cpu",
+        kv_layout=layout,
+    )
+    exp_out, exp_lse = np_decode(
+        q, k, v, np.maximum(np.asarray(kv_length), 0), causal=causal, q_offset=np.asarray(q_offset)
+    )
+    check(out, lse, exp_out, exp_lse, jnp.float32)

@@ -232,6 +232,7 @@ def model_demo(new_tokens: int = 240) -> int:
     backends = {
         "reference": AttentionBackend("reference"),
         "energy (jax.grad of F)": AttentionBackend("energy"),
+        "flash / cpu kernel (C++)": AttentionBackend("flash", flash_backend="cpu"),
         "flash / xla kernel": AttentionBackend("flash", flash_backend="xla"),
         "flash / pallas (interpret)": AttentionBackend("flash", flash_backend="pallas"),
         f"tree over {p} devices": tree,
