@@ -68,11 +68,8 @@ def run(args) -> None:
     from _common import machine, write_json
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from treeattn.decode import flash_attention, ring_decode, select_backend, tree_decode
-    from treeattn.decode._flash import check_decode
+    from treeattn.decode import flash_attention, ring_decode, tree_decode
     from treeattn.profiling import collective_stats
-
-    auto = dict(causal=False, has_length=False, q_offset=0)
 
     h, dh = args.heads, args.dim
     d = h * dh
@@ -181,9 +178,6 @@ def run(args) -> None:
                     "floor_s": med["floor"],
                     "tree_s": med["tree"],
                     "tree_over_floor_paired": paired,
-                    "tree_backend": select_backend(
-                        "auto", check_decode("b", q, k, v, kv_layout="bhsd"), q.dtype, **auto
-                    ),
                     "tree_xla_s": med["tree_xla"],
                     "tree_xla_over_floor_paired": paired_xla,
                     "tree_collectives": t_stats.summary(),

@@ -14,7 +14,6 @@
 // so a saturated pool cannot deadlock it.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -166,7 +165,10 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
   }
 }
 
-// Runs fn(i) for i in [0, n) on the caller and up to (threads - 1) pool tasks.
+// Runs fn(i) for i in [0, n) on the caller and up to (threads - 1) pool tasks. Items are
+// claimed under the mutex; the caller, once no item is left to claim, waits only for items
+// already running. A helper that starts after that claims nothing and returns without
+// touching `fn` (which lives on the caller's stack); `state` is shared, so it outlives them.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
@@ -175,7 +177,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
     return;
   }
   struct State {
-    std::atomic<int64_t> next{0};
+    int64_t next = 0;  // the next item to claim
     std::mutex mu;
     std::condition_variable cv;
     int64_t running = 0;  // items started and not yet finished
@@ -186,16 +188,17 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
       int64_t i;
       {
         std::lock_guard<std::mutex> lock(state->mu);
-        i = state->next.fetch_add(1);
+        i = state->next++;
         if (i >= n) return;
         ++state->running;
       }
       fn(i);
+      bool last;
       {
         std::lock_guard<std::mutex> lock(state->mu);
-        --state->running;
+        last = --state->running == 0;
       }
-      state->cv.notify_all();
+      if (last) state->cv.notify_all();
     }
   };
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run] { run(); });
@@ -228,6 +231,9 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
          bhsd,  causal, has_pos, scale};
   if (d.kv_heads <= 0 || d.heads % d.kv_heads != 0 || kd[3] != d.qk) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: inconsistent q/k shapes");
+  }
+  if (q_offset.element_count() != d.batch || kv_length.element_count() != d.batch) {
+    return ffi::Error::InvalidArgument("treeattn_cpu_decode: q_offset, kv_length must be [batch]");
   }
   if (has_pos && kv_pos.element_count() != d.batch * d.kv_seq) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: kv_pos must be [batch, kv_seq]");

@@ -17,11 +17,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax import lax
 
@@ -37,7 +37,6 @@ FLAGS = (
     "-fopenmp-simd",  # the `omp simd` reductions vectorise without OpenMP's runtime
     "-fno-math-errno",
 )
-_lock = threading.Lock()
 
 
 def _cpu_id() -> str:
@@ -67,7 +66,9 @@ def _build() -> Path:
     cxx = _compiler()
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.__version__, cxx, " ".join(FLAGS), _cpu_id()):
+    # The FFI headers come from jaxlib.
+    versions = f"{jax.__version__} {jaxlib.__version__}"
+    for part in (SOURCE.read_bytes(), versions, cxx, " ".join(FLAGS), _cpu_id()):
         key.update(part if isinstance(part, bytes) else part.encode())
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -91,20 +92,14 @@ def _build() -> Path:
 
 
 @functools.cache
-def _load() -> None:
-    with _lock:
+def unavailable() -> str | None:
+    """Builds (or finds) the kernel and registers it with XLA on first call; afterwards, why it
+    cannot be used in this process, or None. A failed build is not retried."""
+    try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(
             TARGET, jax.ffi.pycapsule(library.TreeattnCpuDecode), platform="cpu"
         )
-
-
-@functools.cache
-def unavailable() -> str | None:
-    """Why the kernel cannot be used in this process (None once it is built and registered);
-    a failed build is not retried."""
-    try:
-        _load()
     except Exception as e:  # no compiler, a failed build, an unwritable cache
         return f"the C++ kernel could not be built ({e})"
     return None
@@ -166,14 +161,12 @@ def _kernel(scale: float, causal: bool, bhsd: bool, has_pos: bool):
 
 
 def cpu_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
-    """`(out, lse)` from the C++ kernel: online softmax over blocks of 512 keys, each K and V
-    row read once; batch rows x kv heads run on XLA's intra-op thread pool."""
+    """`(out, lse)` from the C++ kernel (built by `unavailable()`, which the backend selector
+    calls first): online softmax over blocks of 512 keys, each K and V row read once; batch rows
+    x kv heads run on XLA's intra-op thread pool. Offsets, lengths and positions arrive int32."""
     del block
-    _load()
     has_pos = kv_pos is not None
     if kv_pos is None:
         kv_pos = jnp.zeros((dims.batch, 0), jnp.int32)
     kernel = _kernel(float(scale), bool(causal), dims.layout == "bhsd", has_pos)
-    return kernel(
-        q, k, v, q_offset.astype(jnp.int32), kv_length.astype(jnp.int32), kv_pos.astype(jnp.int32)
-    )
+    return kernel(q, k, v, q_offset, kv_length, kv_pos)
