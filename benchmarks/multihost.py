@@ -41,13 +41,12 @@ def worker(args) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from treeattn.decode import ring_decode, tree_decode
+    from treeattn.decode import kv_mesh, ring_decode, tree_decode
     from treeattn.profiling import collective_stats
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devices), ("kv",))
+    mesh = kv_mesh()
     sharding = NamedSharding(mesh, P(None, None, "kv", None))
     h, d, n = 16, 128, args.context
 

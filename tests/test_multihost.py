@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh
 
 from treeattn.decode import ProcessConfig, initialize, process_config_from_env
+from treeattn.decode._distributed import free_port
 
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -166,12 +167,6 @@ def test_mismatched_device_counts_are_named():
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode != 0 for p in procs)
     assert "processes have different numbers of devices {0: 1, 1: 2}" in outputs[0]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_coordinator_port_in_use():

@@ -104,8 +104,7 @@ def paths(problem: Problem, q, k, v, lengths):
 
         yield f"flash_attention[{backend}], one device", fused
     p = jax.device_count()
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devices), ("kv",))
+    mesh = decode.kv_mesh()
     ks, vs = _sharded(k, mesh, "kv"), _sharded(v, mesh, "kv")
     schedules = ["allreduce"] + (["butterfly"] if p & (p - 1) == 0 else [])
     for reduction in schedules:
