@@ -91,7 +91,8 @@ class TiltedSource(eqx.Module):
     - `kl`: $\mathrm{KL}(p_{\zeta^*}\,\|\,p_0)$, `[q_seq, heads]`: how far the attention
       weights must move for the head to output `z`.
     - `residual`: $\max |\partial F/\partial\zeta(\zeta^*) - z|$, `[q_seq, heads]`.
-    - `num_steps`: solver iterations, `[q_seq, heads]`.
+    - `num_steps`: solver iterations taken (L-BFGS, plus the Newton polishing steps kept),
+      `[q_seq, heads]`.
     - `converged`: whether `residual` met the tolerance, `[q_seq, heads]`; `z` outside the
       convex hull of the visible values shows up here as False.
     """
@@ -249,27 +250,25 @@ def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
     # squares, so an underdetermined source stays minimum-norm); a step is kept only if it
     # lowers the residual.
     def newton_cond(carry):
-        _, grad, tries = carry
-        return (tries < NEWTON_STEPS) & (residual(grad) > tol)
+        _, grad, tries, stop = carry
+        return (tries < NEWTON_STEPS) & (residual(grad) > tol) & ~stop
 
     def newton_body(carry):
-        zeta, grad, tries = carry
-        p = jnp.where(visible, jax.nn.softmax(jnp.where(visible, x + v @ zeta, -jnp.inf)), 0.0)
-        mean = p @ v
-        cov = (v * p[:, None]).T @ v - jnp.outer(mean, mean)
-        new = zeta - jnp.linalg.lstsq(cov, grad)[0]
-        new_grad = jax.grad(objective)(new)
+        zeta, grad, tries, _ = carry
+        new = zeta - jnp.linalg.lstsq(jax.hessian(energy)(zeta), grad)[0]
+        new_grad = value_and_grad(new)[1]
         better = residual(new_grad) < residual(grad)
         return (
             jnp.where(better, new, zeta),
             jnp.where(better, new_grad, grad),
-            jnp.where(better, tries + 1, NEWTON_STEPS),
+            tries + better.astype(jnp.int32),  # only kept steps count
+            ~better,
         )
 
-    zeta, grad, tries = lax.while_loop(
-        newton_cond, newton_body, (zeta, grad, jnp.asarray(0, jnp.int32))
+    zeta, grad, tries, _ = lax.while_loop(
+        newton_cond, newton_body, (zeta, grad, jnp.asarray(0, jnp.int32), no)
     )
-    steps = steps + jnp.minimum(tries, NEWTON_STEPS)
+    steps = steps + tries
     res = residual(grad)
     # KL(p_ζ || p_0) = z·ζ - F(ζ) + F(0), with z = ∂F/∂ζ(ζ) at the solution.
     kl = jnp.where(empty, 0.0, z @ zeta - energy(zeta) + energy(zeta0))
