@@ -106,8 +106,9 @@ class KVCache(eqx.Module):
         k = jnp.swapaxes(k, 0, 1).astype(self.k.dtype)  # head-major, as stored
         v = jnp.swapaxes(v, 0, 1).astype(self.v.dtype)
         if self.devices == 1 or n == 1:
-            # The new tokens take consecutive slots: an in-place slice update (a scatter, under
-            # vmap, copies the whole cache every step).
+            # The new tokens take consecutive slots: a slice update. (Under generate's vmap
+            # JAX lowers this to a scatter as well, one with in-bounds, non-overlapping
+            # indices.)
             start = self.slots(length)
             new_k = _write(self.k, k, start)
             new_v = _write(self.v, v, start)
