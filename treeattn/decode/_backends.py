@@ -241,12 +241,13 @@ def flash_attention(
       the position of query 0.
     - `kv_length`: int, scalar or `[batch]`: keys at or past it are ignored.
     - `scale`: default $1/\sqrt{dim}$.
-    - `backend`: `"auto"`, `"flash_attn_jax"`, `"cudnn"`, `"pallas"`, `"xla"`, `"reference"`;
-      see `docs/decode.md`. An unavailable choice raises `BackendUnavailable` saying why.
+    - `backend`: `"auto"`, `"flash_attn_jax"`, `"cudnn"`, `"pallas"`, `"cpu"` (a C++ kernel
+      for XLA:CPU, built on first use), `"xla"`, `"reference"`; see `docs/decode.md`. An
+      unavailable choice raises `BackendUnavailable` saying why.
     - `kv_positions`: absolute position of each key slot (`[kv_seq]` or `[batch, kv_seq]`), for
       caches not stored in position order (round-robin over devices); default: slot `a` holds
       position `a`. A key counts when its position is below `kv_length` (and, when causal, not
-      after the query). Only the `"xla"` and `"reference"` backends take it.
+      after the query). Only the `"cpu"`, `"xla"` and `"reference"` backends take it.
     - `block_size`: keys per block of the `"xla"` kernel (and of every backend's backward);
       default: as many as keep a block's logits under 64 MB.
 
