@@ -126,7 +126,9 @@ def test_jit_and_float64(getkey):
         # Every query sees at least dv + 1 keys, so the source is unique.
         kw = {"causal": True, "q_offset": SHAPE[1] - SHAPE[0]}
         z = jnp.asarray(ref.tilted_mean(q, k, v, zeta_true, **kw))
-        sol = jax.jit(lambda z, q, k, v: tilted_source(z, q, k, v, rtol=1e-10, **kw))(z, q, k, v)
+        # The residual bounds the error of zeta only through the inverse value covariance, which
+        # is large for a query whose values are nearly degenerate: solve to float64 precision.
+        sol = jax.jit(lambda z, q, k, v: tilted_source(z, q, k, v, rtol=1e-13, **kw))(z, q, k, v)
         assert sol.zeta.dtype == jnp.float64
         assert np.all(sol.converged), (sol.residual, sol.num_steps)
         np.testing.assert_allclose(sol.zeta, zeta_true, rtol=1e-6, atol=1e-7)
