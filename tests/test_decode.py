@@ -52,7 +52,7 @@ def np_decode(q, k, v, kv_length, *, causal=False, q_offset=None):
         kw = dict(mask=mask, causal=causal, q_offset=off)
         outs.append(ref.attention(q[b], k[b], v[b], **kw))
         terms = ref.free_energy_terms(q[b], k[b], v[b], np.zeros((q_seq, heads, v.shape[-1])), **kw)
-        lses.append(terms.T)  # [heads, q_seq]
+        lses.append(terms)  # [q_seq, heads], jax's residual layout
     return np.stack(outs), np.stack(lses)
 
 
@@ -124,7 +124,7 @@ def test_flash_attention_matches_numpy(backend, block, shape, causal, layout, dt
         block_size=block,
     )
     assert out.shape == q.shape[:3] + (shape[5],) and out.dtype == dtype
-    assert lse.shape == (batch, shape[2], q_seq)
+    assert lse.shape == (batch, q_seq, shape[2])
 
 
 @pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])
@@ -292,7 +292,7 @@ def test_tree_and_ring_communication(p):
 
 def test_backend_selection_on_this_machine(getkey):
     q, k, v = make(getkey, 1, 1, 4, 2, 16, 8, dtype=jnp.bfloat16)
-    from treeattn.decode._flash import check_decode
+    from treeattn.decode._checks import check_decode
 
     dims = check_decode("t", q, k, v, kv_layout="bshd")
     kw = dict(causal=False, has_length=False, q_offset=0)

@@ -1,12 +1,5 @@
 """Fused local attention with `(out, lse)`, tree decoding (Algorithm 3), the ring baseline."""
 
-from ._backends import (
-    BACKENDS as BACKENDS,
-    BackendUnavailable as BackendUnavailable,
-    flash_attention as flash_attention,
-    flash_attention_reference as flash_attention_reference,
-    select_backend as select_backend,
-)
 from ._cost_model import (
     DGX_H100 as DGX_H100,
     Cluster as Cluster,
@@ -20,6 +13,16 @@ from ._distributed import (
     kv_mesh as kv_mesh,
     node_mesh as node_mesh,
     process_config_from_env as process_config_from_env,
+)
+from ._flash import (
+    flash_attention as flash_attention,
+    flash_attention_reference as flash_attention_reference,
+)
+from ._registry import (
+    BACKENDS as BACKENDS,
+    Backend as Backend,
+    BackendUnavailable as BackendUnavailable,
+    select_backend as select_backend,
 )
 from ._ring import ring_decode as ring_decode
 from ._tree import tree_decode as tree_decode

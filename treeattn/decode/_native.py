@@ -92,7 +92,7 @@ def _build() -> Path:
 
 
 @functools.cache
-def unavailable() -> str | None:
+def load_kernel() -> str | None:
     """Builds (or finds) the kernel and registers it with XLA on first call; afterwards, why it
     cannot be used in this process, or None. A failed build is not retried."""
     try:
@@ -161,12 +161,13 @@ def _kernel(scale: float, causal: bool, bhsd: bool, has_pos: bool):
 
 
 def cpu_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
-    """`(out, lse)` from the C++ kernel (built by `unavailable()`, which the backend selector
-    calls first): online softmax over blocks of 512 keys, each K and V row read once; batch rows
+    """`(out, lse)` from the C++ kernel (built by `load_kernel()`, which eligibility calls
+    first): online softmax over blocks of 512 keys, each K and V row read once; batch rows
     x kv heads run on XLA's intra-op thread pool. Offsets, lengths and positions arrive int32."""
     del block
     has_pos = kv_pos is not None
     if kv_pos is None:
         kv_pos = jnp.zeros((dims.batch, 0), jnp.int32)
     kernel = _kernel(float(scale), bool(causal), dims.layout == "bhsd", has_pos)
-    return kernel(q, k, v, q_offset, kv_length, kv_pos)
+    out, lse = kernel(q, k, v, q_offset, kv_length, kv_pos)
+    return out, jnp.swapaxes(lse, 1, 2)  # the kernel writes [batch, heads, q_seq]

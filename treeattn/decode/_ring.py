@@ -8,15 +8,19 @@ last step each holds the full result. Exact, like tree decoding, but it moves wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from ..energy import merge_partials
-from ._backends import flash_attention
-from ._tree import Sharded, setup
+from .._numerics import Layout, default_scale
+from .._partials import Reduction, merge_partials
+from ._flash import run_kernel
+from ._plan import DecodePlan, plan_decode
+from ._registry import Backend
 
 
 def ring_decode(
@@ -28,9 +32,9 @@ def ring_decode(
     kv_axis: str | tuple[str, ...],
     kv_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     scale: float | None = None,
-    backend: str = "auto",
-    reduction: str | None = None,
-    kv_layout: str = "bshd",
+    backend: Backend | Sequence[Backend] = "auto",
+    reduction: Reduction | None = None,
+    kv_layout: Layout = "bshd",
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
@@ -38,14 +42,14 @@ def ring_decode(
     """The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
 
-    Each of the p devices starts with its own shard; at every step it computes
-    `flash_attention` of the shard it holds, merges it into its running `(out, lse)` with
+    Each of the p devices starts with its own shard; at every step it computes the local
+    attention of the shard it holds, merges it into its running `(out, lse)` with
     [`merge_partials`][treeattn.energy.merge_partials], and passes the shard to the next device
     (`lax.ppermute`), p - 1 times. `reduction` is accepted for a drop-in swap with
     `tree_decode` and ignored: the ring is the schedule.
     """
     del reduction
-    layout, q, k, v, offsets, lengths, positions = setup(
+    plan, q, k, v, offsets, lengths, positions = plan_decode(
         "ring_decode",
         q,
         k,
@@ -59,39 +63,41 @@ def ring_decode(
         reduction=None,
         backend=backend,
         kv_positions=kv_positions,
+        scale=scale,
     )
-    return _ring(layout, q, k, v, offsets, lengths, positions, scale=scale)
+    s = default_scale(plan.dims.qk, scale)
+    return _ring(plan, q, k, v, offsets, lengths, positions, scale=s)
 
 
 @jax.named_scope("ring_decode")
-def _ring(layout: Sharded, q, k, v, offsets, lengths, positions, *, scale):
-    p = layout.devices
+def _ring(plan: DecodePlan, q, k, v, offsets, lengths, positions, *, scale):
+    p = plan.devices
     ring = [(i, (i + 1) % p) for i in range(p)]
 
     def local(q, k, v, offsets, lengths, positions):
-        me = lax.axis_index(layout.axis_name)
+        me = plan.local_shard()
 
         def attend(k, v, positions, step):
             # After `step` hops this device holds the shard that started on device me - step.
-            q_off, kv_len = layout.local_view(offsets, lengths, (me - step) % p)
-            out, lse = flash_attention(
+            q_off, kv_len = plan.local_view(offsets, lengths, (me - step) % p)
+            out, lse = run_kernel(
+                plan.kernel,
                 q,
                 k,
                 v,
-                causal=layout.causal,
+                q_off,
+                kv_len,
+                positions,
+                dims=plan.dims,
+                causal=plan.causal,
                 scale=scale,
-                q_offset=q_off,
-                kv_length=kv_len,
-                backend=layout.backend,
-                kv_layout=layout.kv_layout,
-                kv_positions=positions,
             )
-            return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
+            return out.astype(jnp.float32), lse
 
         def step(i, carry):
             k, v, positions, out, lse = carry
             # One hop: receive the previous device's shard (p - 1 hops in all).
-            k, v, positions = lax.ppermute((k, v, positions), layout.axis_name, perm=ring)
+            k, v, positions = lax.ppermute((k, v, positions), plan.axis_name, perm=ring)
             b_out, b_lse = attend(k, v, positions, i)
             out, lse = merge_partials(out, lse, b_out, b_lse)
             return k, v, positions, out, lse
@@ -100,5 +106,4 @@ def _ring(layout: Sharded, q, k, v, offsets, lengths, positions, *, scale):
         _, _, _, out, lse = lax.fori_loop(1, p, step, (k, v, positions, out, lse))
         return out.astype(q.dtype)
 
-    mapped = layout.shard_map(local)
-    return mapped(q, k, v, offsets, lengths, positions)
+    return plan.shard_map(local)(q, k, v, offsets, lengths, positions)

@@ -1,5 +1,10 @@
 """The free energy of attention: attention as its gradient, cumulants, the likelihood view."""
 
+from .._partials import (
+    allreduce_partials as allreduce_partials,
+    allreduce_sum as allreduce_sum,
+    merge_partials as merge_partials,
+)
 from ._free_energy import (
     attention_reference as attention_reference,
     causal_free_energy as causal_free_energy,
@@ -13,15 +18,12 @@ from ._likelihood import (
     log_likelihood as log_likelihood,
     tilted_source as tilted_source,
 )
-from ._merge import (
-    allreduce_partials as allreduce_partials,
-    allreduce_sum as allreduce_sum,
-    merge_partials as merge_partials,
-)
 from ._moments import value_covariance as value_covariance, value_moments as value_moments
+from ._on_mesh import (
+    tree_energy_attention as tree_energy_attention,
+    tree_free_energy as tree_free_energy,
+)
 from ._sharded import (
     sharded_energy_attention as sharded_energy_attention,
     sharded_free_energy as sharded_free_energy,
-    tree_energy_attention as tree_energy_attention,
-    tree_free_energy as tree_free_energy,
 )

@@ -1,62 +1,14 @@
-"""Shape and dtype validation, and the visibility mask shared by every energy function.
+"""Shape and dtype validation of the energy functions' arguments.
 
 Everything here runs at trace time: a bad shape is a `ValueError` before XLA sees anything.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int
+from jaxtyping import ArrayLike
 
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    """Sizes of one multi-head attention problem (unbatched)."""
-
-    q_seq: int
-    kv_seq: int
-    heads: int
-    kv_heads: int
-    qk: int
-    dv: int
-
-    @property
-    def group(self) -> int:
-        """Query heads per key/value head (1 for MHA, `heads` for MQA)."""
-        return self.heads // self.kv_heads
-
-
-def dims_of(q, k, v) -> Dims:
-    """Sizes of already validated `q[q_seq, heads, qk]`, `k[kv_seq, kv_heads, qk]`, `v`."""
-    (q_seq, heads, qk), (kv_seq, kv_heads, _), dv = q.shape, k.shape, v.shape[-1]
-    return Dims(q_seq=q_seq, kv_seq=kv_seq, heads=heads, kv_heads=kv_heads, qk=qk, dv=dv)
-
-
-def as_position(x) -> Int[Array, ""]:
-    """A query/key position (int or integer scalar) as an int32 array, so that a new position
-    does not recompile a jitted function."""
-    return jnp.asarray(x).astype(jnp.int32)
-
-
-def compute_dtype(dtype) -> jnp.dtype:
-    """The dtype that softmax and log-sum-exp arithmetic runs in: at least float32."""
-    dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.float64) if dtype.itemsize > 4 else jnp.dtype(jnp.float32)
-
-
-def default_scale(qk: int, scale: float | None) -> float:
-    """`scale`, or `1/sqrt(qk)` when it is None."""
-    if scale is None:
-        return 1.0 / math.sqrt(qk) if qk > 0 else 1.0
-    return scale
-
-
-def _shape(x) -> tuple[int, ...]:
-    return tuple(np.shape(x))
+from .._numerics import Dims, check_position, check_scale, shape_of as _shape
 
 
 def _check_float(fn: str, **arrays) -> jnp.dtype:
@@ -71,6 +23,12 @@ def _check_float(fn: str, **arrays) -> jnp.dtype:
     return first
 
 
+def dims_of(q, k, v) -> Dims:
+    """Sizes of already validated `q[q_seq, heads, qk]`, `k[kv_seq, kv_heads, qk]`, `v`."""
+    (q_seq, heads, qk), (kv_seq, kv_heads, _), dv = q.shape, k.shape, v.shape[-1]
+    return Dims(q_seq=q_seq, kv_seq=kv_seq, heads=heads, kv_heads=kv_heads, qk=qk, dv=dv)
+
+
 def check_multihead(
     fn: str,
     q: ArrayLike,
@@ -80,11 +38,13 @@ def check_multihead(
     zeta: ArrayLike | None = None,
     zeta_name: str = "zeta",
     mask: ArrayLike | None = None,
+    scale=None,
 ) -> Dims:
     """Validate `q[q_seq, heads, qk]`, `k[kv_seq, kv_heads, qk]`, `v[kv_seq, kv_heads, dv]`.
 
     Also `zeta[q_seq, heads, dv]` and a boolean `mask` of shape `[q_seq, kv_seq]` or
-    `[heads, q_seq, kv_seq]` when given. Returns the sizes; raises `ValueError` naming the shapes.
+    `[heads, q_seq, kv_seq]` when given, and that `scale` is None or a Python float. Returns
+    the sizes; raises `ValueError` naming the shapes.
     """
     qs, ks, vs = _shape(q), _shape(k), _shape(v)
     if len(qs) != 3:
@@ -107,6 +67,7 @@ def check_multihead(
             f"(k {ks})"
         )
     _check_float(fn, q=q, k=k, v=v)
+    check_scale(fn, scale)
     dims = Dims(q_seq=q_seq, kv_seq=kv_seq, heads=heads, kv_heads=kv_heads, qk=qk, dv=vs[2])
     if zeta is not None:
         check_source(fn, zeta, dims, name=zeta_name)
@@ -141,58 +102,6 @@ def check_mask(fn: str, mask: ArrayLike, dims: Dims) -> None:
         )
 
 
-def check_q_offset(fn: str, q_offset) -> None:
-    """`q_offset` is a Python int or an integer scalar array (traced values are fine)."""
-    if isinstance(q_offset, bool):
-        raise ValueError(f"{fn}: q_offset must be an integer, got a bool")
-    if isinstance(q_offset, int):
-        return
-    dtype = jnp.result_type(q_offset)
-    if not jnp.issubdtype(dtype, jnp.integer) or _shape(q_offset) != ():
-        raise ValueError(
-            f"{fn}: q_offset must be an integer scalar, got dtype {dtype} and shape "
-            f"{_shape(q_offset)}"
-        )
-
-
-def visibility(
-    dims: Dims,
-    *,
-    causal: bool,
-    mask: Bool[Array, ...] | None,
-    q_offset: int | Int[Array, ""],
-    kv_offset: int | Int[Array, ""] = 0,
-) -> Bool[Array, "kv_heads group q_seq kv_seq"] | None:
-    """Which keys each (head, query) may see, shaped for the grouped layout of the core.
-
-    Causal masking is bottom-right aligned by absolute position: query `i` sits at position
-    `q_offset + i`, key `a` at `kv_offset + a` (a shard of a longer sequence), and the query sees
-    the key iff its position is not later (a query appended after a cache of `n` tokens passes
-    `q_offset=n`). Returns None when every key is visible.
-    """
-    vis = None
-    if causal:
-        # int32 positions: a context of 2^31 tokens is far beyond any cache.
-        q_pos = jnp.asarray(q_offset).astype(jnp.int32) + jnp.arange(dims.q_seq, dtype=jnp.int32)
-        kv_pos = jnp.asarray(kv_offset).astype(jnp.int32) + jnp.arange(dims.kv_seq, dtype=jnp.int32)
-        vis = kv_pos[None, :] <= q_pos[:, None]
-        vis = vis[None, None]
-    if mask is not None:
-        m = jnp.asarray(mask)
-        if m.ndim == 2:
-            m = m[None, None]
-        else:
-            m = m.reshape(dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
-        vis = m if vis is None else vis & m
-    return vis
-
-
-def nonempty(
-    dims: Dims, visible: Bool[Array, "#kv_heads #group #q_seq kv_seq"] | None
-) -> Bool[Array, "q_seq heads"]:
-    """True for every (query, head) that sees at least one key."""
-    if visible is None:
-        return jnp.full((dims.q_seq, dims.heads), dims.kv_seq > 0)
-    shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
-    any_visible = jnp.any(jnp.broadcast_to(visible, shape), axis=-1)
-    return any_visible.reshape(dims.heads, dims.q_seq).T
+def check_q_offset(fn: str, q_offset, *, name: str = "q_offset") -> None:
+    """`q_offset` is a non-negative Python int or an integer scalar array (traced is fine)."""
+    check_position(fn, name, q_offset)

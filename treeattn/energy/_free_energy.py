@@ -18,20 +18,22 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import (
+from .._numerics import (
     Dims,
     as_position,
-    check_multihead,
-    check_q_offset,
     compute_dtype,
     default_scale,
-    dims_of,
+    finite_rows,
+    from_rows,
+    masked_logsumexp as masked_logsumexp,
+    poison,
+    to_rows,
     visibility,
 )
+from ._checks import check_multihead, check_q_offset, dims_of
 
 
 Tilt = Callable[[Array, Array], Array]
@@ -42,45 +44,8 @@ Tilt = Callable[[Array, Array], Array]
 # ---------------------------------------------------------------------------------------------
 
 
-def masked_logsumexp(
-    x: Float[Array, "*batch n"], visible: Bool[Array, "*#batch #n"] | None
-) -> Float[Array, "*batch"]:
-    r"""$\log\sum_{a\ \mathrm{visible}} e^{x_a}$ over the last axis, max-shifted (Appendix 11).
-
-    The shift $m = \max_a x_a$ is held constant under differentiation: $F$ does not depend on
-    it (eq. 38), so its derivative would only add terms that cancel. A row with no visible entry
-    has $Z = 0$ and returns $-\infty$; every derivative of it is exactly 0 (no NaN), because the
-    masked entries carry weight $e^{-\infty} = 0$ and the logarithm only ever sees $Z \ge 1$.
-    """
-    if visible is not None:
-        x = jnp.where(visible, x, -jnp.inf)
-    m = lax.stop_gradient(jnp.max(x, axis=-1, initial=-jnp.inf))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    z = jnp.sum(jnp.exp(x - m[..., None]), axis=-1)
-    # The visible maximum contributes e^0 = 1, so a non-empty row has z >= 1.
-    nonempty = z > 0
-    return jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, z, 1.0)), -jnp.inf)
-
-
-def _rows(x: Array, dims: Dims) -> Array:
-    """[q_seq, heads, d] -> [kv_heads, group * q_seq, d]: the query rows of each kv head.
-
-    Attention then is a batch (over kv heads) of plain matrix products, with no K/V copies for
-    GQA; this layout lets XLA run both products as batched GEMMs (the 4-d grouped einsum is
-    2-3x slower on CPU).
-    """
-    t, kh, g = dims.q_seq, dims.kv_heads, dims.group
-    return x.reshape(t, kh, g, x.shape[-1]).transpose(1, 2, 0, 3).reshape(kh, g * t, x.shape[-1])
-
-
-def _unrows(x: Array, dims: Dims) -> Array:
-    """Inverse of `_rows`: [kv_heads, group * q_seq, d] -> [q_seq, heads, d]."""
-    t, kh, g = dims.q_seq, dims.kv_heads, dims.group
-    return x.reshape(kh, g, t, x.shape[-1]).transpose(2, 0, 1, 3).reshape(t, kh * g, x.shape[-1])
-
-
 def _tilt(zeta: Array, v: Array) -> Array:
-    """The source term ζ·v_a of every (kv head, query row, key): zeta in the `_rows` layout."""
+    """The source term ζ·v_a of every (kv head, query row, key): zeta in the rows layout."""
     return jnp.einsum("kmv,skv->kms", zeta, v)
 
 
@@ -110,15 +75,31 @@ def _tilt_at_zero_jvp(primals, tangents):
 _tilt_at_zero.defjvp(_tilt_at_zero_jvp, symbolic_zeros=True)
 
 
+def finite_kv(
+    k: Float[Array, "kv_seq kv_heads qk"], v: Float[Array, "kv_seq kv_heads dv"]
+) -> tuple[Array, Array, Bool[Array, "kv_heads kv_seq"]]:
+    """K and V with their non-finite rows set to 0, and which (kv head, key) those were: the
+    logits of those keys become NaN (`bad_logits`), so a query that does not see them is
+    untouched and one that does gets NaN (see `finite_rows`)."""
+    k, bad_k = finite_rows(k)
+    v, bad_v = finite_rows(v)
+    return k, v, (bad_k | bad_v).T
+
+
+def bad_logits(x: Float[Array, "kv_heads rows kv_seq"], bad: Bool[Array, "kv_heads kv_seq"]):
+    """Logits `x` with those of non-finite key/value rows set to NaN (see `finite_kv`)."""
+    return poison(x, bad[:, None, :])
+
+
 def scaled_logits(
     q: Float[Array, "q_seq heads qk"],
     k: Float[Array, "kv_seq kv_heads qk"],
     dims: Dims,
     scale: float,
 ) -> Float[Array, "kv_heads rows kv_seq"]:
-    r"""$s\,q_{i,h}\cdot k_{a,g(h)}$ in the `_rows` layout, in at least float32."""
+    r"""$s\,q_{i,h}\cdot k_{a,g(h)}$ in the rows layout, in at least float32."""
     ct = compute_dtype(q.dtype)
-    logits = jnp.einsum("kmd,skd->kms", _rows(q.astype(ct), dims), k.astype(ct))
+    logits = jnp.einsum("kmd,skd->kms", to_rows(q.astype(ct), dims), k.astype(ct))
     return logits * jnp.asarray(scale, ct)
 
 
@@ -136,12 +117,15 @@ def energy_terms(
     \zeta_{i,h}\cdot v_{a,g(h)})$ for every query $i$ and head $h$, in at least float32.
 
     Query head $h$ reads key/value head $g(h) = \lfloor h / (\mathrm{heads}/\mathrm{kv\_heads})
-    \rfloor$ (GQA/MQA) without copying K or V. `zeta=None` means ζ = 0.
+    \rfloor$ (GQA/MQA) without copying K or V. `zeta=None` means ζ = 0. A non-finite key or
+    value that the query does not see has no effect (see `finite_kv`).
     """
     ct = compute_dtype(q.dtype)
+    k, v, bad = finite_kv(k, v)
     logits = scaled_logits(q, k, dims, scale)
     if zeta is not None:
-        logits = logits + tilt(_rows(zeta.astype(ct), dims), v.astype(ct))
+        logits = logits + tilt(to_rows(zeta.astype(ct), dims), v.astype(ct))
+    logits = bad_logits(logits, bad)
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
     lse = masked_logsumexp(logits.reshape(shape), visible)  # [kv_heads, group, q_seq]
     return lse.reshape(dims.heads, dims.q_seq).T
@@ -302,7 +286,7 @@ def multihead_free_energy(
 
 
 def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset) -> Array:
-    check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
+    check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     return _total_energy(q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale)
 
@@ -354,7 +338,7 @@ def energy_attention(
     out = energy_attention(q, k, v, causal=True)               # [5, 8, 16]
     ```
     """
-    check_multihead("energy_attention", q, k, v, mask=mask)
+    check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
     check_q_offset("energy_attention", q_offset)
     return _energy_attention(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
 
@@ -393,7 +377,7 @@ def attention_reference(
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs; 0 for a query with no visible
     key.
     """
-    check_multihead("attention_reference", q, k, v, mask=mask)
+    check_multihead("attention_reference", q, k, v, mask=mask, scale=scale)
     check_q_offset("attention_reference", q_offset)
     return _attention_reference(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
 
@@ -403,15 +387,17 @@ def _attention_reference(q, k, v, mask, q_offset, *, causal, scale) -> Array:
     dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ct = compute_dtype(q.dtype)
+    k, v, bad = finite_kv(k, v)
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
-    logits = jnp.einsum("kmd,skd->kms", _rows(q.astype(ct), dims), k.astype(ct)).reshape(shape)
-    logits = logits * jnp.asarray(default_scale(dims.qk, scale), ct)
+    logits = jnp.einsum("kmd,skd->kms", to_rows(q.astype(ct), dims), k.astype(ct))
+    logits = bad_logits(logits * jnp.asarray(default_scale(dims.qk, scale), ct), bad)
+    logits = logits.reshape(shape)
     if vis is not None:
         logits = jnp.where(vis, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    rows = dims.kv_heads, dims.group * dims.q_seq, dims.kv_seq
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    rows = dims.kv_heads, dims.rows, dims.kv_seq
     out = jnp.einsum("kms,skv->kmv", p.reshape(rows), v.astype(ct))
-    return _unrows(out, dims).astype(q.dtype)
+    return from_rows(out, dims).astype(q.dtype)

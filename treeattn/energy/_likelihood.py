@@ -23,18 +23,19 @@ import optax
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import (
+from .._numerics import (
     as_position,
-    check_multihead,
-    check_q_offset,
-    check_source,
     compute_dtype,
     default_scale,
-    dims_of,
+    from_rows,
+    masked_logsumexp,
     nonempty,
+    rows_visibility,
+    to_rows,
     visibility,
 )
-from ._free_energy import _rows, _unrows, energy_terms, masked_logsumexp, scaled_logits
+from ._checks import check_multihead, check_q_offset, check_source, dims_of
+from ._free_energy import bad_logits, energy_terms, finite_kv, scaled_logits
 
 
 def log_likelihood(
@@ -64,7 +65,7 @@ def log_likelihood(
     **Returns:** the scalar $\Gamma$ in float32 (float64 for float64 inputs).
     """
     fn = "log_likelihood"
-    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
+    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_source(fn, z, dims, name="z")
     check_q_offset(fn, q_offset)
     return _log_likelihood(
@@ -150,7 +151,7 @@ def tilted_source(
     get $\zeta^* = 0$ and KL 0.
     """
     fn = "tilted_source"
-    check_multihead(fn, q, k, v, zeta=z, zeta_name="z", mask=mask)
+    check_multihead(fn, q, k, v, zeta=z, zeta_name="z", mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     if not isinstance(max_steps, int) or max_steps < 0:
         raise ValueError(f"{fn}: max_steps must be an integer >= 0, got {max_steps!r}")
@@ -180,25 +181,23 @@ def _tilted_source(
     # The problem separates over queries: solve each (query, head) on its own, so that every one
     # gets its own line search and curvature memory (one joint L-BFGS converges at the pace of
     # the worst-conditioned query). Logits are computed once.
+    k, v, bad = finite_kv(k, v)
     logits = scaled_logits(q, k, dims, default_scale(dims.qk, scale))  # [kh, g*t, kv]
-    rows = (dims.kv_heads, dims.group * dims.q_seq, dims.kv_seq)
-    if vis is None:
-        vis_rows = jnp.ones(rows, bool)
-    else:
-        vis_rows = jnp.broadcast_to(
-            vis, (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
-        ).reshape(rows)
+    logits = bad_logits(logits, bad)
+    rows = (dims.kv_heads, dims.rows, dims.kv_seq)
+    vis_rows = rows_visibility(vis, dims)
+    vis_rows = jnp.ones(rows, bool) if vis_rows is None else jnp.broadcast_to(vis_rows, rows)
     opt = optax.with_extra_args_support(optax.lbfgs() if solver is None else solver)
     solve = functools.partial(_solve_one, opt=opt, max_steps=max_steps, rtol=rtol, atol=atol)
     v_heads = jnp.swapaxes(v.astype(ct), 0, 1)  # [kv_heads, kv_seq, dv]
     per_head = jax.vmap(solve, in_axes=(0, 0, None, 0))  # over the query rows of one kv head
     with jax.named_scope("tilted_source"):
         zeta, kl, res, steps, ok = jax.vmap(per_head)(
-            logits, vis_rows, v_heads, _rows(z.astype(ct), dims)
+            logits, vis_rows, v_heads, to_rows(z.astype(ct), dims)
         )
-    per_query = lambda x: _unrows(x[..., None], dims)[..., 0]  # noqa: E731
+    per_query = lambda x: from_rows(x[..., None], dims)[..., 0]  # noqa: E731
     return TiltedSource(
-        zeta=_unrows(zeta, dims),
+        zeta=from_rows(zeta, dims),
         kl=per_query(kl),
         residual=per_query(res),
         num_steps=per_query(steps),

@@ -14,15 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import (
-    as_position,
-    check_multihead,
-    check_q_offset,
-    compute_dtype,
-    default_scale,
-    dims_of,
-    visibility,
-)
+from .._numerics import as_position, compute_dtype, default_scale, visibility
+from ._checks import check_multihead, check_q_offset, dims_of
 from ._free_energy import _tilt_at_zero, energy_terms
 
 
@@ -59,7 +52,7 @@ def value_moments(
 
 
 def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset) -> Array:
-    check_multihead(fn, q, k, v, mask=mask)
+    check_multihead(fn, q, k, v, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     return _cumulant_jit(
         q, k, v, mask, as_position(q_offset), order=order, causal=causal, scale=scale

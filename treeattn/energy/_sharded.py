@@ -10,37 +10,44 @@ of $\sum_{a\in\mathrm{shard}} e^{x_a - F} v_a$ (and of the query gradient, packe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import (
+from .._numerics import (
     Dims,
-    check_multihead,
-    check_q_offset,
     compute_dtype,
     default_scale,
+    from_rows,
+    masked_logsumexp,
+    to_rows,
     visibility,
 )
-from ._free_energy import _rows, _tilt, _unrows, masked_logsumexp, scaled_logits
-from ._merge import AxisName, Reduction, allreduce_partials, allreduce_sum, check_reduction
+from .._partials import (
+    AxisName,
+    Reduction,
+    check_bound_axes,
+    check_reduction,
+    merge_across,
+    sum_across,
+)
+from ._checks import check_multihead, check_q_offset
+from ._free_energy import _tilt, bad_logits, finite_kv, scaled_logits
 
 
-def _logits(q, k, v, zeta, dims: Dims, scale: float, zeta_at_zero: bool) -> Array:
-    """Local logits $s\\,q\\cdot k_a + \\zeta\\cdot v_a$, `[kv_heads, group * q_seq, kv_local]`."""
+def _logits(q, k, v, bad, zeta, dims: Dims, scale: float, zeta_at_zero: bool) -> Array:
+    """Local logits $s\\,q\\cdot k_a + \\zeta\\cdot v_a$, `[kv_heads, group * q_seq, kv_local]`,
+    of finite `k`, `v` (NaN where the key/value row was not finite: see `finite_kv`)."""
     x = scaled_logits(q, k, dims, scale)
     if not zeta_at_zero:
         ct = x.dtype
-        x = x + _tilt(_rows(zeta.astype(ct), dims), v.astype(ct))
-    return x
+        x = x + _tilt(to_rows(zeta.astype(ct), dims), v.astype(ct))
+    return bad_logits(x, bad)
 
 
 def _grid(dims: Dims) -> tuple[int, int, int, int]:
@@ -49,9 +56,10 @@ def _grid(dims: Dims) -> tuple[int, int, int, int]:
 
 def _local_terms(q, k, v, zeta, vis, dims, scale, axis_name, reduction, zeta_at_zero):
     """Algorithm 1 on one device: the global F_{i,h}, `[q_seq, heads]`, from the local shard."""
-    x = _logits(q, k, v, zeta, dims, scale, zeta_at_zero)
+    k, v, bad = finite_kv(k, v)
+    x = _logits(q, k, v, bad, zeta, dims, scale, zeta_at_zero)
     lse_local = masked_logsumexp(x.reshape(_grid(dims)), vis)
-    _, lse = allreduce_partials(None, lse_local, axis_name=axis_name, reduction=reduction)
+    _, lse = merge_across(None, lse_local, axis_name=axis_name, reduction=reduction)
     return lse.reshape(dims.heads, dims.q_seq).T
 
 
@@ -61,7 +69,9 @@ def _local_grads(q, k, v, zeta, vis, f, ct, dims, scale, axis_name, reduction, z
     `ct` `[q_seq, heads]` is the cotangent of F_{i,h}, the same on every device.
     """
     ct_dtype = compute_dtype(q.dtype)
-    x = _logits(q, k, v, zeta, dims, scale, zeta_at_zero).reshape(_grid(dims))
+    k_in, v_in = k, v
+    k, v, bad = finite_kv(k, v)
+    x = _logits(q, k, v, bad, zeta, dims, scale, zeta_at_zero).reshape(_grid(dims))
     if vis is not None:
         x = jnp.where(vis, x, -jnp.inf)
     f_grid = f.T.reshape(dims.kv_heads, dims.group, dims.q_seq)
@@ -70,27 +80,29 @@ def _local_grads(q, k, v, zeta, vis, f, ct, dims, scale, axis_name, reduction, z
     # so this never overflows. A query with no visible key anywhere has F = -inf and weight 0.
     f_safe = jnp.where(jnp.isfinite(f_grid), f_grid, 0.0)
     p = jnp.exp(x - f_safe[..., None]) * ct_grid[..., None]
+    if vis is not None:  # a hidden NaN logit (a non-finite key) must give weight 0, not NaN
+        p = jnp.where(vis, p, 0.0)
     p_rows = p.reshape(dims.kv_heads, dims.group * dims.q_seq, dims.kv_seq)
     d_zeta = jnp.einsum("kms,skv->kmv", p_rows, v.astype(ct_dtype))
     d_q = scale * jnp.einsum("kms,skd->kmd", p_rows, k.astype(ct_dtype))
     # Line 5: the one reduction across devices. The two sums are reduced separately so that an
     # unused one (d_q, when only attention is wanted) is removed by XLA; when both are live,
     # XLA's all-reduce combiner packs them into a single all-reduce.
-    d_zeta = allreduce_sum(d_zeta, axis_name=axis_name, reduction=reduction)
-    d_q = allreduce_sum(d_q, axis_name=axis_name, reduction=reduction)
+    d_zeta = sum_across(d_zeta, axis_name=axis_name, reduction=reduction)
+    d_q = sum_across(d_q, axis_name=axis_name, reduction=reduction)
     # The local keys and values need no communication.
-    q_rows = _rows(q.astype(ct_dtype), dims)
-    d_k = (scale * jnp.einsum("kms,kmd->skd", p_rows, q_rows)).astype(k.dtype)
+    q_rows = to_rows(q.astype(ct_dtype), dims)
+    d_k = (scale * jnp.einsum("kms,kmd->skd", p_rows, q_rows)).astype(k_in.dtype)
     if zeta_at_zero:
-        d_v = jnp.zeros_like(v)
+        d_v = jnp.zeros_like(v_in)
     else:
-        zeta_rows = _rows(zeta.astype(ct_dtype), dims)
-        d_v = jnp.einsum("kms,kmv->skv", p_rows, zeta_rows).astype(v.dtype)
+        zeta_rows = to_rows(zeta.astype(ct_dtype), dims)
+        d_v = jnp.einsum("kms,kmv->skv", p_rows, zeta_rows).astype(v_in.dtype)
     return (
-        _unrows(d_q, dims).astype(q.dtype),
+        from_rows(d_q, dims).astype(q.dtype),
         d_k,
         d_v,
-        _unrows(d_zeta, dims).astype(zeta.dtype),
+        from_rows(d_zeta, dims).astype(zeta.dtype),
     )
 
 
@@ -132,14 +144,15 @@ def _sharded_terms_bwd(*args):
 _sharded_terms.defvjp(_sharded_terms_fwd, _sharded_terms_bwd)
 
 
-def _prepare(fn, q, k, v, zeta, *, axis_name, causal, mask, q_offset, kv_offset, reduction):
-    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
+def _prepare(fn, q, k, v, zeta, *, axis_name, causal, mask, scale, q_offset, kv_offset, reduction):
+    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     check_reduction(fn, reduction, axis_name)
+    check_bound_axes(fn, axis_name)
     if kv_offset is None:
         kv_offset = lax.axis_index(axis_name) * dims.kv_seq
     else:
-        check_q_offset(fn, kv_offset)
+        check_q_offset(fn, kv_offset, name="kv_offset")
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, kv_offset=kv_offset)
     return dims, vis
 
@@ -191,6 +204,7 @@ def sharded_free_energy(
         axis_name=axis_name,
         causal=causal,
         mask=mask,
+        scale=scale,
         q_offset=q_offset,
         kv_offset=kv_offset,
         reduction=reduction,
@@ -233,6 +247,7 @@ def sharded_energy_attention(
         axis_name=axis_name,
         causal=causal,
         mask=mask,
+        scale=scale,
         q_offset=q_offset,
         kv_offset=kv_offset,
         reduction=reduction,
@@ -246,261 +261,3 @@ def sharded_energy_attention(
     with jax.named_scope("sharded_energy_attention"):
         out = jax.grad(total)(zeta)
     return out.astype(q.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Global arrays: shard_map wrappers
-# ---------------------------------------------------------------------------------------------
-
-
-def auto_mesh(mesh: Mesh) -> Mesh:
-    """The same devices and axis names with every axis in Auto mode.
-
-    From jax 0.9 on, `jax.make_mesh` makes Explicit axes by default, and `shard_map` then
-    refuses inputs whose sharding type does not already match `in_specs`; the tree functions
-    shard their inputs themselves, so they run their `shard_map` on the Auto view of the mesh.
-    """
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    types = getattr(mesh, "axis_types", None)
-    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(types))
-
-
-def _mesh_axes(fn: str, mesh: Mesh, kv_axis: AxisName) -> tuple[AxisName, int]:
-    axes = (kv_axis,) if isinstance(kv_axis, str) else tuple(kv_axis)
-    for a in axes:
-        if a not in mesh.shape:
-            raise ValueError(
-                f"{fn}: kv_axis {a!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})"
-            )
-    return (axes[0] if len(axes) == 1 else axes), math.prod(mesh.shape[a] for a in axes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tree:
-    """Static configuration of one tree-sharded energy (hashable: a custom_vjp static arg)."""
-
-    mesh: Mesh
-    axis_name: AxisName
-    local: Dims  # sizes of one device's shard
-    scale: float
-    causal: bool
-    reduction: str
-    zeta_at_zero: bool
-    user_mesh: Mesh  # as given (its axes may be Explicit); `mesh` is its Auto view
-
-    def specs(self, args: dict) -> dict:
-        seq = P(self.axis_name)
-        specs = {"q": P(), "k": seq, "v": seq, "zeta": P(), "q_offset": P()}
-        if "mask" in args:
-            specs["mask"] = P(*([None] * (args["mask"].ndim - 1)), self.axis_name)
-        return specs
-
-    def shard_map(self, fn, in_specs, out_specs):
-        # The butterfly's result is replicated by construction, which the checker cannot see.
-        return jax.shard_map(
-            fn,
-            mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            check_vma=self.reduction != "butterfly",
-        )
-
-    def visible(self, a: dict):
-        kv_offset = lax.axis_index(self.axis_name) * self.local.kv_seq
-        return visibility(
-            self.local,
-            causal=self.causal,
-            mask=a.get("mask"),
-            q_offset=a["q_offset"],
-            kv_offset=kv_offset,
-        )
-
-    def static(self):
-        return (self.local, self.scale, self.axis_name, self.reduction, self.zeta_at_zero)
-
-
-def _tree_forward(tree: _Tree, args: dict) -> Array:
-    def local(a):
-        return _local_terms(a["q"], a["k"], a["v"], a["zeta"], tree.visible(a), *tree.static())
-
-    return tree.shard_map(local, (tree.specs(args),), P())(args)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tree_terms(tree: _Tree, args: dict) -> Array:
-    """F_{i,h} of globally sharded arrays: Algorithm 1 in one shard_map, Algorithm 2 in another.
-
-    The gradient is defined here, outside the shard_maps, so it holds for every schedule
-    (including the butterfly, whose shard_map runs without the replication checker).
-    """
-    return _tree_forward(tree, args)
-
-
-def _tree_terms_fwd(tree: _Tree, args: dict):
-    f = _tree_forward(tree, args)
-    return f, (args, f)
-
-
-def _tree_terms_bwd(tree: _Tree, res, ct):
-    args, f = res
-
-    def local(a, f, ct):
-        grads = _local_grads(
-            a["q"], a["k"], a["v"], a["zeta"], tree.visible(a), f, ct, *tree.static()
-        )
-        return dict(zip(("q", "k", "v", "zeta"), grads, strict=True))
-
-    specs = tree.specs(args)
-    out_specs = {name: specs[name] for name in ("q", "k", "v", "zeta")}
-    grads = tree.shard_map(local, (specs, P(), P()), out_specs)(args, f, ct)
-    cotangents: dict[str, Any] = {
-        name: _like(g, args[name], tree.user_mesh) for name, g in grads.items()
-    }
-    for name in ("q_offset", "mask"):
-        if name in args:
-            cotangents[name] = _float0_like(args[name])
-    return (cotangents,)
-
-
-_tree_terms.defvjp(_tree_terms_fwd, _tree_terms_bwd)
-
-
-def _tree_setup(
-    fn, q, k, v, zeta, *, mesh, kv_axis, causal, mask, scale, q_offset, reduction, zeta_at_zero
-):
-    """Validate, pad the sequence to a multiple of the device count, and build the config."""
-    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask)
-    check_q_offset(fn, q_offset)
-    axis_name, p = _mesh_axes(fn, mesh, kv_axis)
-    check_reduction(fn, reduction, axis_name)
-    pad = -dims.kv_seq % p
-    if pad:
-        # Keys beyond the sequence are padding: zero, and masked out everywhere.
-        k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
-        valid = jnp.arange(dims.kv_seq + pad) < dims.kv_seq
-        if mask is None:
-            mask = jnp.broadcast_to(valid, (dims.q_seq, dims.kv_seq + pad))
-        else:
-            mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)]) & valid
-    local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // p)
-    tree = _Tree(
-        auto_mesh(mesh),
-        axis_name,
-        local,
-        default_scale(dims.qk, scale),
-        causal,
-        reduction,
-        zeta_at_zero,
-        mesh,
-    )
-    if zeta is None:
-        zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
-    args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
-    if mask is not None:
-        args["mask"] = jnp.asarray(mask)
-    return tree, args
-
-
-def tree_free_energy(
-    q: Float[Array, "q_seq heads qk"],
-    k: Float[Array, "kv_seq kv_heads qk"],
-    v: Float[Array, "kv_seq kv_heads dv"],
-    zeta: Float[Array, "q_seq heads dv"],
-    *,
-    mesh: Mesh,
-    kv_axis: AxisName,
-    causal: bool = False,
-    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
-    scale: float | None = None,
-    q_offset: int | Int[Array, ""] = 0,
-    reduction: Reduction = "allreduce",
-) -> Float[Array, ""]:
-    r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
-
-    `k`, `v` (and `mask`) are split along the sequence over the mesh axis `kv_axis` (a name, or
-    `(slow, fast)` for the hierarchical schedule); `q` and `zeta` are replicated. A sequence that
-    does not divide evenly is padded with masked keys (so some shards may hold no valid key at
-    all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
-    differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
-    for every schedule.
-
-    ```python
-    mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
-    F = tree_free_energy(q, k, v, zeta, mesh=mesh, kv_axis="kv", causal=True)
-    ```
-    """
-    tree, args = _tree_setup(
-        "tree_free_energy",
-        q,
-        k,
-        v,
-        zeta,
-        mesh=mesh,
-        kv_axis=kv_axis,
-        causal=causal,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        reduction=reduction,
-        zeta_at_zero=False,
-    )
-    return _tree_energy(tree, args)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _tree_energy(tree: _Tree, args: dict) -> Array:
-    return jnp.sum(_tree_terms(tree, args))
-
-
-def tree_energy_attention(
-    q: Float[Array, "q_seq heads qk"],
-    k: Float[Array, "kv_seq kv_heads qk"],
-    v: Float[Array, "kv_seq kv_heads dv"],
-    *,
-    mesh: Mesh,
-    kv_axis: AxisName,
-    causal: bool = False,
-    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
-    scale: float | None = None,
-    q_offset: int | Int[Array, ""] = 0,
-    reduction: Reduction = "allreduce",
-) -> Float[Array, "q_seq heads dv"]:
-    r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of
-    [`tree_free_energy`][treeattn.energy.tree_free_energy] in $\zeta$ at $\zeta = 0$.
-
-    The forward runs Algorithm 1 on every shard (two reductions of `[q_seq, heads]` with the
-    `"allreduce"` schedule) and the gradient Algorithm 2 (one reduction of `[q_seq, heads, dv]`);
-    at $\zeta = 0$ the source term is not computed. Same result as
-    [`energy_attention`][treeattn.energy.energy_attention]; differentiable in q, k, v.
-
-    **Returns:** `[q_seq, heads, dv]` in the input dtype, replicated.
-    """
-    tree, args = _tree_setup(
-        "tree_energy_attention",
-        q,
-        k,
-        v,
-        None,
-        mesh=mesh,
-        kv_axis=kv_axis,
-        causal=causal,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        reduction=reduction,
-        zeta_at_zero=True,
-    )
-
-    return _tree_attention(tree, args).astype(q.dtype)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _tree_attention(tree: _Tree, args: dict) -> Array:
-    def total(zeta):
-        return jnp.sum(_tree_terms(tree, {**args, "zeta": zeta}))
-
-    with jax.named_scope("tree_energy_attention"):
-        return jax.grad(total)(args["zeta"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import equinox as eqx
 import jax
@@ -13,36 +14,51 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import decode, energy
+from .._numerics import Dims, Layout, visibility
+from .._partials import Reduction
 from ._cache import KVCache
 from ._layers import RotaryEmbedding
 
 
-BACKENDS = ("energy", "reference", "flash", "tree")
+AttentionPath = Literal["energy", "reference", "flash", "tree"]
+"""Where a layer's attention runs (see `AttentionBackend`)."""
+ATTENTION_PATHS: tuple[AttentionPath, ...] = get_args(AttentionPath)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     """Where attention runs (hashable: a static configuration).
 
-    - `name`: `"energy"` (attention as `jax.grad` of the free energy), `"reference"` (softmax
-      written out), `"flash"` (the fused path of `treeattn.decode.flash_attention`), or
-      `"tree"` (the KV cache sharded over `mesh` axis `kv_axis`, `treeattn.decode.tree_decode`).
-    - `flash_backend`: the `flash_attention` backend for `"flash"` and `"tree"` (`"pallas"`
-      decodes one query at a time: calls with several queries, such as a prefill, use `"auto"`).
+    - `name`: `"energy"` (attention as `jax.grad` of the free energy), `"reference"` (its
+      twin, softmax written out), `"flash"` (`treeattn.decode.flash_attention`), or `"tree"`
+      (the KV cache sharded over `mesh` axis `kv_axis`, `treeattn.decode.tree_decode`).
+    - `kernel`: the `flash_attention` backend of `"flash"` and `"tree"`: a name, or an ordered
+      tuple of names of which the first that can serve a call runs — e.g. `("pallas", "auto")`:
+      the Pallas decode kernel for decode steps, `"auto"` for prefill chunks.
     - `mesh`, `kv_axis`, `reduction`: for `"tree"`.
+    - `flash_backend` (the former spelling, still accepted): a kernel name `x` means
+      `kernel=(x, "auto")`.
     """
 
-    name: str = "energy"
-    flash_backend: str = "auto"
+    name: AttentionPath = "energy"
+    kernel: decode.Backend | tuple[decode.Backend, ...] = "auto"
     mesh: Mesh | None = None
     kv_axis: str | tuple[str, ...] | None = None
-    reduction: str = "allreduce"
+    reduction: Reduction = "allreduce"
+    flash_backend: dataclasses.InitVar[str | None] = None
 
-    def __post_init__(self):
-        if isinstance(self.kv_axis, list):  # hashable: the backend is a static argument
+    def __post_init__(self, flash_backend):
+        if flash_backend is not None:
+            kernel = flash_backend if flash_backend == "auto" else (flash_backend, "auto")
+            object.__setattr__(self, "kernel", kernel)
+        if isinstance(self.kernel, list):  # hashable: the backend is a static argument
+            object.__setattr__(self, "kernel", tuple(self.kernel))
+        if isinstance(self.kv_axis, list):
             object.__setattr__(self, "kv_axis", tuple(self.kv_axis))
-        if self.name not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {BACKENDS}, got {self.name!r}")
+        if self.name not in ATTENTION_PATHS:
+            raise ValueError(
+                f"attention backend must be one of {ATTENTION_PATHS}, got {self.name!r}"
+            )
         if self.name == "tree" and (self.mesh is None or self.kv_axis is None):
             raise ValueError("the 'tree' attention backend needs mesh= and kv_axis=")
 
@@ -53,12 +69,27 @@ def as_backend(backend, mesh=None, kv_axis=None) -> AttentionBackend:
     return AttentionBackend(name=backend, mesh=mesh, kv_axis=kv_axis)
 
 
+def check_layer_mask(mask, q_seq: int, kv_seq: int, heads: int) -> None:
+    """A layer's `mask`: boolean `[q_seq, kv_seq]` or `[num_heads, q_seq, kv_seq]`."""
+    if mask is None:
+        return
+    dtype = jnp.result_type(mask)
+    if dtype != jnp.bool_:
+        raise ValueError(f"MultiheadAttention: mask must be boolean (True = attend), got {dtype}")
+    allowed = ((q_seq, kv_seq), (heads, q_seq, kv_seq))
+    if tuple(jnp.shape(mask)) not in allowed:
+        raise ValueError(
+            f"MultiheadAttention: mask must have shape [q_seq, kv_seq] = {allowed[0]} or "
+            f"[num_heads, q_seq, kv_seq] = {allowed[1]}, got {tuple(jnp.shape(mask))}"
+        )
+
+
 def attend(
     q: Float[Array, "q_seq heads qk"],
     k: Array,
     v: Array,
     *,
-    head_major: bool,
+    kv_layout: Layout,
     kv_length: Int[Array, ""] | None,
     q_offset: Int[Array, ""] | int,
     causal: bool,
@@ -66,38 +97,40 @@ def attend(
     kv_positions: Array | None,
     backend: AttentionBackend,
 ) -> Float[Array, "q_seq heads vo"]:
-    """Attention of `q` over keys/values `[kv, kv_heads, d]` (or head-major `[kv_heads, kv, d]`)
-    on `backend`. Key slot `a` holds position `kv_positions[a]` (default `a`); it is visible when
-    that position is below `kv_length` (if given: a partly filled cache) and, if `causal`, not
-    after the query (query `i` sits at `q_offset + i`)."""
+    """Attention of `q` over keys/values `[kv, kv_heads, d]` (`kv_layout="bshd"`, without the
+    batch axis) or head-major `[kv_heads, kv, d]` (`"bhsd"`) on `backend`. Key slot `a` holds
+    position `kv_positions[a]` (default `a`); it is visible when that position is below
+    `kv_length` (if given: a partly filled cache) and, if `causal`, not after the query (query
+    `i` sits at `q_offset + i`)."""
     name = backend.name
     if name in ("energy", "reference"):
-        if head_major:  # a transposed copy of the cache: these are the checking paths; the
-            # fused ones (flash, tree) read the head-major cache as it is
+        if kv_layout == "bhsd":  # a transposed copy of the cache: these are the checking paths;
+            # the fused ones (flash, tree) read the head-major cache as it is
             k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
-        kv_seq = k.shape[0]
-        pos = jnp.arange(kv_seq, dtype=jnp.int32) if kv_positions is None else kv_positions
-        filled = jnp.ones(kv_seq, bool) if kv_length is None else pos < kv_length
-        visible = jnp.broadcast_to(filled, (q.shape[0], kv_seq))
-        if causal:
-            q_pos = q_offset + jnp.arange(q.shape[0], dtype=jnp.int32)
-            visible = visible & (pos[None, :] <= q_pos[:, None])
-        if mask is not None:
-            visible = visible & mask
+        kv_seq, heads = k.shape[0], q.shape[1]
+        dims = Dims(q.shape[0], kv_seq, heads, k.shape[1], q.shape[-1], v.shape[-1])
+        vis = visibility(
+            dims,
+            causal=causal,
+            q_offset=q_offset,
+            kv_positions=kv_positions,
+            kv_length=kv_length,
+            mask=mask,
+        )
+        if vis is not None and (vis.shape[0] > 1 or vis.shape[1] > 1):
+            # per-head visibility: the energy functions take [heads, q_seq, kv_seq]
+            full = jnp.broadcast_to(vis, (dims.kv_heads, dims.group, dims.q_seq, kv_seq))
+            vis = full.reshape(heads, dims.q_seq, kv_seq)
+        elif vis is not None:
+            vis = jnp.broadcast_to(vis[0, 0], (dims.q_seq, kv_seq))
         fn = energy.energy_attention if name == "energy" else energy.attention_reference
-        return fn(q, k, v, mask=visible)
+        return fn(q, k, v, mask=vis)
     if mask is not None:
         raise ValueError(
             f"backend {name!r} takes no attention mask (it masks by kv_length and causality); "
             "use backend='energy' or 'reference' for arbitrary masks"
         )
-    layout = "bhsd" if head_major else "bshd"
     positions = None if kv_positions is None else kv_positions[None]
-    kernel = backend.flash_backend
-    if kernel == "pallas" and (q.shape[0] > 1 or positions is not None):
-        # The Pallas decode kernel takes one query, with the keys in position order: prefill
-        # chunks, and caches appended round-robin over devices, use another kernel.
-        kernel = "auto"
     if name == "flash":
         out, _ = decode.flash_attention(
             q[None],
@@ -106,8 +139,8 @@ def attend(
             causal=causal,
             q_offset=q_offset,
             kv_length=kv_length,
-            backend=kernel,
-            kv_layout=layout,
+            backend=backend.kernel,
+            kv_layout=kv_layout,
             kv_positions=positions,
         )
         return out[0]
@@ -121,9 +154,9 @@ def attend(
         kv_length=kv_length,
         causal=causal,
         q_offset=q_offset,
-        backend=kernel,
+        backend=backend.kernel,
         reduction=backend.reduction,
-        kv_layout=layout,
+        kv_layout=kv_layout,
         kv_positions=positions,
     )
     return out[0]
@@ -147,8 +180,8 @@ class MultiheadAttention(eqx.Module):
       [`AttentionBackend`][treeattn.models.AttentionBackend]; overridable per call.
 
     Differences from Equinox: a query that may attend to nothing gets output 0 (Equinox averages
-    every value), and attention-weight dropout needs `backend="reference"` (the other backends
-    never form the weights).
+    every value). With attention-weight dropout in training the weights are formed explicitly
+    (softmax written out), whatever the backend.
     """
 
     query_proj: eqx.nn.Linear
@@ -270,6 +303,7 @@ class MultiheadAttention(eqx.Module):
         q_seq, kv_seq = query.shape[0], key_.shape[0]
         if value.shape[0] != kv_seq:
             raise ValueError("key and value must both be sequences of equal length.")
+        check_layer_mask(mask, q_seq, kv_seq, self.num_heads)
         be = self.backend if backend is None else as_backend(backend)
         q = self._project(self.query_proj, query, self.num_heads)
         k = self._project(self.key_proj, key_, self.num_kv_heads)
@@ -301,7 +335,7 @@ class MultiheadAttention(eqx.Module):
                     q,
                     k,
                     v,
-                    head_major=False,
+                    kv_layout="bshd",
                     kv_length=None,
                     q_offset=q_offset,
                     causal=self.causal,
@@ -325,7 +359,7 @@ class MultiheadAttention(eqx.Module):
                 q,
                 new_cache.k,
                 new_cache.v,
-                head_major=True,
+                kv_layout=new_cache.layout,
                 kv_length=new_cache.length,
                 q_offset=q_offset,
                 causal=self.causal,
@@ -341,13 +375,12 @@ class MultiheadAttention(eqx.Module):
         group = self.num_heads // self.num_kv_heads
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
         logits = jnp.einsum("shd,Shd->hsS", q, k).astype(jnp.float32) / jnp.sqrt(self.qk_size)
-        visible = jnp.ones(logits.shape[1:], bool)
-        if self.causal:
-            visible = jnp.arange(k.shape[0])[None, :] <= q_offset + jnp.arange(q.shape[0])[:, None]
-        if mask is not None:
-            visible = visible & mask
+        dims = Dims(q.shape[0], k.shape[0], self.num_heads, self.num_heads, q.shape[-1], 1)
+        vis = visibility(dims, causal=self.causal, q_offset=q_offset, mask=mask)
+        visible = jnp.ones(logits.shape, bool) if vis is None else vis.reshape(-1, *vis.shape[2:])
+        visible = jnp.broadcast_to(visible, logits.shape)
         logits = jnp.where(visible, logits, -jnp.inf)
-        weights = jax.nn.softmax(logits, axis=-1, where=jnp.broadcast_to(visible, logits.shape))
+        weights = jax.nn.softmax(logits, axis=-1, where=visible)
         weights = jnp.where(jnp.isfinite(weights), weights, 0.0).astype(q.dtype)
         # One dropout key per head, as Equinox splits them.
         keys = None if key is None else jax.random.split(key, self.num_heads)

@@ -9,6 +9,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from .._numerics import Layout
+from .._sharding import SequenceSharding
+
 
 class KVCache(eqx.Module):
     """Keys and values of the tokens seen so far, preallocated to `max_len` slots.
@@ -51,14 +54,7 @@ class KVCache(eqx.Module):
         lead = () if layers is None else (layers,)
         devices = 1
         if mesh is not None and kv_axis is not None:
-            axes = (kv_axis,) if isinstance(kv_axis, str) else tuple(kv_axis)
-            for a in axes:
-                if a not in mesh.shape:
-                    raise ValueError(
-                        f"KVCache.create: kv_axis {a!r} is not an axis of the mesh "
-                        f"(axes: {tuple(mesh.shape)})"
-                    )
-            devices = int(np.prod([mesh.shape[a] for a in axes]))
+            devices = SequenceSharding.create("KVCache.create", mesh, kv_axis).devices
         if devices > 1:
             max_len = -(-max_len // (devices * block)) * devices * block
         else:
@@ -72,6 +68,11 @@ class KVCache(eqx.Module):
             k = jax.device_put(k, NamedSharding(mesh, spec))
             v = jax.device_put(v, NamedSharding(mesh, spec))
         return cls(k=k, v=v, length=length, devices=devices, block=block)
+
+    @property
+    def layout(self) -> Layout:
+        """How K and V are stored: head-major, `"bhsd"` (`[..., kv_heads, max_len, d]`)."""
+        return "bhsd"
 
     @property
     def max_len(self) -> int:

@@ -6,13 +6,17 @@ $o = \sum_{a\in\mathrm{block}} e^{x_a - \mathrm{lse}} v_a$. Because log-sum-exp 
 partials merge into the partial of the union (paper, section 5.1), and the order does not matter.
 Every path in treeattn that combines blocks — the sharded energy, tree decoding, the ring
 baseline, the blockwise local kernel — uses `merge_partials` or its p-ary form here.
+
+Partials travel as `(out, lse)` with `out[..., d]` and `lse[...]` on the same leading axes: for
+attention `out[batch, q_seq, heads, dv]` and `lse[batch, q_seq, heads]`, the convention of
+`jax.nn.dot_product_attention`'s residual, used throughout treeattn.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +26,8 @@ from jaxtyping import Array, Float
 
 
 Reduction = Literal["allreduce", "butterfly", "hierarchical"]
-REDUCTIONS: tuple[str, ...] = ("allreduce", "butterfly", "hierarchical")
+"""How partials are merged across devices (see `allreduce_partials`)."""
+REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
 AxisName = str | tuple[str, ...]
 T = TypeVar("T")
 
@@ -52,11 +57,14 @@ def merge_partials(
     w_a = jnp.exp(lse_a - m_safe)
     w_b = jnp.exp(lse_b - m_safe)
     total = w_a + w_b
-    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
+    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), m)
     if out_a is None or out_b is None:
         return None, lse
     denom = jnp.where(finite, total, 1.0)[..., None]
-    out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / denom
+    # An empty partial's `out` is ignored outright (`where`, not a 0 weight times it).
+    part_a = jnp.where(w_a[..., None] == 0, 0.0, out_a * w_a[..., None])
+    part_b = jnp.where(w_b[..., None] == 0, 0.0, out_b * w_b[..., None])
+    out = (part_a + part_b) / denom
     return out.astype(out_a.dtype), lse
 
 
@@ -70,6 +78,7 @@ def axis_size(axis_name: AxisName) -> int:
 
 
 def check_reduction(fn: str, reduction: str, axis_name: AxisName) -> None:
+    """`reduction` is a known schedule that fits `axis_name` (checked once, at the boundary)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if reduction == "hierarchical" and len(_axes(axis_name)) != 2:
@@ -77,6 +86,18 @@ def check_reduction(fn: str, reduction: str, axis_name: AxisName) -> None:
             f"{fn}: reduction='hierarchical' needs two mesh axes (slow, fast), e.g. "
             f"('node', 'local'); got axis_name={axis_name!r}"
         )
+
+
+def check_bound_axes(fn: str, axis_name: AxisName) -> None:
+    """Inside `shard_map`: every name in `axis_name` is a bound mesh axis."""
+    for a in _axes(axis_name):
+        try:
+            lax.axis_size(a)
+        except NameError:
+            raise ValueError(
+                f"{fn}: axis_name {a!r} is not a mesh axis bound here; call inside "
+                f"jax.shard_map over a mesh that has an axis named {a!r}"
+            ) from None
 
 
 def _psum_merge(out, lse, axis_name: AxisName):
@@ -90,7 +111,7 @@ def _psum_merge(out, lse, axis_name: AxisName):
         num = None
     else:
         num, total = lax.psum((out * w[..., None], w), axis_name)
-    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
+    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), m)
     if num is None:
         return None, lse
     out = num / jnp.where(finite, total, 1.0)[..., None]
@@ -169,6 +190,12 @@ def allreduce_partials(
     **Returns:** the merged `(out, lse)`, the same on every device.
     """
     check_reduction("allreduce_partials", reduction, axis_name)
+    check_bound_axes("allreduce_partials", axis_name)
+    return merge_across(out, lse, axis_name=axis_name, reduction=reduction)
+
+
+def merge_across(out, lse, *, axis_name: AxisName, reduction: Reduction):
+    """`allreduce_partials` without its argument checks, for callers that checked them."""
     if reduction == "allreduce":
         return _psum_merge(out, lse, axis_name)
     if reduction == "hierarchical":
@@ -198,6 +225,12 @@ def allreduce_sum(x: Any, *, axis_name: AxisName, reduction: Reduction = "allred
     uses ceil(log2 p) ppermute rounds; `"hierarchical"` sums over the fast axis, then the slow.
     """
     check_reduction("allreduce_sum", reduction, axis_name)
+    check_bound_axes("allreduce_sum", axis_name)
+    return sum_across(x, axis_name=axis_name, reduction=reduction)
+
+
+def sum_across(x: Any, *, axis_name: AxisName, reduction: Reduction) -> Any:
+    """`allreduce_sum` without its argument checks, for callers that checked them."""
     if reduction == "allreduce":
         return lax.psum(x, axis_name)
     if reduction == "hierarchical":

@@ -1,0 +1,85 @@
+"""Validation of the batched decode layout; everything here runs at trace time."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from .._numerics import LAYOUTS, Dims, check_choice, check_position, check_scale, shape_of
+
+
+def check_decode(
+    fn: str,
+    q,
+    k,
+    v,
+    *,
+    kv_layout: str,
+    kv_length=None,
+    q_offset=0,
+    kv_positions=None,
+    scale=None,
+) -> Dims:
+    """Validate `q[batch, q_seq, heads, qk]` and K/V in `kv_layout`, the per-row positions and
+    lengths, and `scale`. Returns the sizes; `ValueError`s name the argument and the shapes."""
+    check_choice(fn, "kv_layout", kv_layout, LAYOUTS)
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    names = "[batch, seq, kv_heads, dim]" if kv_layout == "bshd" else "[batch, kv_heads, seq, dim]"
+    if len(qs) != 4:
+        raise ValueError(f"{fn}: q must have shape [batch, q_seq, heads, dim], got shape {qs}")
+    for name, shape in (("k", ks), ("v", vs)):
+        if len(shape) != 4:
+            raise ValueError(
+                f"{fn}: {name} must have shape {names} (kv_layout={kv_layout!r}), got {shape}"
+            )
+    if kv_layout == "bshd":
+        _, kv_seq, kv_heads, qk = ks
+        v_seq, v_heads = vs[1], vs[2]
+    else:
+        _, kv_heads, kv_seq, qk = ks
+        v_heads, v_seq = vs[1], vs[2]
+    batch, q_seq, heads, q_dim = qs
+    if ks[0] != batch or vs[0] != batch:
+        raise ValueError(f"{fn}: batch sizes differ: q {qs}, k {ks}, v {vs}")
+    if q_dim != qk:
+        raise ValueError(f"{fn}: q {qs} and k {ks} disagree on the head dim ({q_dim} != {qk})")
+    if (v_seq, v_heads) != (kv_seq, kv_heads):
+        raise ValueError(f"{fn}: k {ks} and v {vs} must agree on seq and kv_heads ({kv_layout})")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"{fn}: num_heads={heads} (q {qs}) must be a multiple of num_kv_heads={kv_heads} "
+            f"(k {ks})"
+        )
+    dtypes = {jnp.result_type(x) for x in (q, k, v)}
+    if len(dtypes) != 1 or not jnp.issubdtype(dtypes.pop(), jnp.floating):
+        raise ValueError(
+            f"{fn}: q, k, v must share one floating dtype, got {jnp.result_type(q)}, "
+            f"{jnp.result_type(k)}, {jnp.result_type(v)}"
+        )
+    if kv_length is not None:
+        check_position(fn, "kv_length", kv_length, batch=batch)
+    if q_offset is not None:
+        check_position(fn, "q_offset", q_offset, batch=batch)
+    if kv_positions is not None:
+        if not jnp.issubdtype(jnp.result_type(kv_positions), jnp.integer) or shape_of(
+            kv_positions
+        ) not in ((kv_seq,), (batch, kv_seq)):
+            raise ValueError(
+                f"{fn}: kv_positions must be integer with shape [kv_seq] = ({kv_seq},) or "
+                f"[batch, kv_seq] = {(batch, kv_seq)}, got {shape_of(kv_positions)}"
+            )
+    check_scale(fn, scale)
+    return Dims(q_seq, kv_seq, heads, kv_heads, qk, vs[3], batch=batch, layout=kv_layout)  # type: ignore[arg-type]
+
+
+def per_row(x, batch: int, default: int) -> Int[Array, " batch"]:
+    """An int or `[batch]` integer argument as int32 `[batch]`."""
+    x = default if x is None else x
+    return jnp.broadcast_to(jnp.asarray(x).astype(jnp.int32), (batch,))
+
+
+def positions_per_row(kv_positions, dims: Dims) -> Int[Array, "batch kv_seq"] | None:
+    """`kv_positions` (`[kv_seq]` or `[batch, kv_seq]`) as int32 `[batch, kv_seq]`."""
+    if kv_positions is None:
+        return None
+    return jnp.broadcast_to(jnp.asarray(kv_positions).astype(jnp.int32), (dims.batch, dims.kv_seq))

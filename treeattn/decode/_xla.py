@@ -1,0 +1,295 @@
+r"""The portable blockwise kernel (`backend="xla"`), and the one backward every fused kernel
+shares.
+
+A kernel maps the common call — `q[batch, q_seq, heads, qk]`, K/V in the call's layout,
+absolute query positions `q_offset[batch]`, filled lengths `kv_length[batch]`, optional key
+positions `kv_pos[batch, kv_seq]` — to `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input
+dtype and `lse[batch, q_seq, heads]` float32 (float64 for float64 inputs), natural log, the
+free energy at $\zeta = 0$ of the keys each row sees (`-inf` for none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._numerics import (
+    Dims,
+    compute_dtype,
+    finite_rows,
+    from_rows,
+    lse_from_rows,
+    lse_to_rows,
+    poison,
+    rows_visibility,
+    to_rows,
+    visibility,
+)
+from .._partials import merge_partials
+
+
+def match_vma(tree, *refs):
+    """`tree` typed as varying over every mesh axis any of `refs` varies over.
+
+    Inside `shard_map`, a loop carry that starts as a constant (zeros, -inf) but is updated with
+    shard-local values must be typed as varying from the start. `zeros_like` inherits the
+    varying axes of its argument (on every supported jax), and XLA folds the added zero away.
+    """
+    zero = jnp.zeros((), jnp.float32)
+    for r in refs:
+        if r is not None:
+            zero = zero + jnp.zeros_like(r, shape=(), dtype=jnp.float32)
+    return jax.tree.map(lambda leaf: leaf + zero.astype(leaf.dtype), tree)
+
+
+def _k_spec(dims: Dims) -> str:
+    return "bkd" if dims.layout == "bshd" else "kbd"
+
+
+def _v_spec(dims: Dims) -> str:
+    return "bkv" if dims.layout == "bshd" else "kbv"
+
+
+def _finite_block(kb, vb, dims: Dims):
+    """A block's K and V with non-finite rows zeroed, and those keys per kv head `[kh, b]`."""
+    kb, bad_k = finite_rows(kb)
+    vb, bad_v = finite_rows(vb)
+    bad = bad_k | bad_v
+    return kb, vb, (bad.T if dims.layout == "bshd" else bad)
+
+
+def _block_visibility(dims: Dims, size, start, first, kv_pos, q_offset, kv_length, causal):
+    """Visibility `[1, #rows, size]` of the keys in slots `start .. start + size`: the
+    `visibility` of their positions, minus slots before `first` (covered by the previous
+    block)."""
+    slot = start + jnp.arange(size, dtype=jnp.int32)
+    pos = slot if kv_pos is None else lax.dynamic_slice_in_dim(kv_pos, start, size)
+    block = dataclasses.replace(dims, kv_seq=size)
+    vis = visibility(
+        block,
+        causal=causal,
+        q_offset=q_offset,
+        kv_positions=pos,
+        kv_length=kv_length,
+        slots=slot >= first,
+    )
+    return rows_visibility(vis, block)
+
+
+def _block_partial(qr, kb, vb, visible, dims: Dims):
+    """`(out, lse)` of one block of keys with one exponential pass, in the rows layout: out
+    normalised, lse the block's free energy; a row that sees no key gives (0, -inf)."""
+    kb, vb, bad = _finite_block(kb, vb, dims)
+    logits = poison(jnp.einsum(f"kmd,{_k_spec(dims)}->kmb", qr, kb), bad[:, None, :])
+    x = jnp.where(visible, logits, -jnp.inf)
+    m = jnp.max(x, axis=-1, initial=-jnp.inf)
+    finite = jnp.isfinite(m)
+    m_safe = jnp.where(finite, m, 0.0)
+    e = jnp.exp(x - m_safe[..., None])
+    total = jnp.sum(e, axis=-1)
+    out = jnp.einsum(f"kmb,{_v_spec(dims)}->kmv", e, vb)
+    out = out / jnp.where(finite, total, 1.0)[..., None]
+    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), m)
+    return out, lse
+
+
+LOGITS_BUDGET = 1 << 24  # logits elements per block (64 MB in float32)
+
+
+def block_size(dims: Dims, block: int | None) -> int:
+    """Keys per block: `block`, or as many as keep one block's logits within LOGITS_BUDGET
+    (so a decode step over a shard of up to ~1M keys is one block: no loop, no slicing)."""
+    if block is not None:
+        return max(1, min(block, dims.kv_seq))
+    rows = dims.kv_heads * dims.rows
+    return max(1, min(dims.kv_seq, max(256, LOGITS_BUDGET // max(rows, 1))))
+
+
+def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale, block):
+    """One batch row: online softmax over blocks of `block` keys, merged with
+    `merge_partials`. Blocks past the filled length (or past the last query, when causal) are
+    not visited, so a partly filled cache costs what its filled part costs."""
+    ct = compute_dtype(q.dtype)
+    qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
+    size = min(block, dims.kv_seq)
+    limit = kv_length
+    if causal:
+        limit = jnp.minimum(limit, q_offset + dims.q_seq)
+    total_blocks = -(-dims.kv_seq // size)
+    if kv_pos is None:  # contiguous: blocks past the limit hold no visible key
+        n_blocks = jnp.clip((limit + size - 1) // size, 0, total_blocks)
+    else:
+        n_blocks = total_blocks
+    ax = dims.seq_axis
+
+    def body(i, carry):
+        out, lse = carry
+        first = i * size
+        # The last block is moved back to end at kv_seq; keys it shares with the previous
+        # block are masked out (no padding, no copy of the cache).
+        start = jnp.minimum(first, dims.kv_seq - size)
+        kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
+        vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
+        vis = _block_visibility(dims, size, start, first, kv_pos, q_offset, kv_length, causal)
+        b_out, b_lse = _block_partial(qr, kb, vb, vis, dims)
+        out, lse = merge_partials(out, lse, b_out, b_lse)
+        assert out is not None
+        return out, lse
+
+    init = (
+        jnp.zeros((dims.kv_heads, dims.rows, dims.dv), ct),
+        jnp.full((dims.kv_heads, dims.rows), -jnp.inf, ct),
+    )
+    init = match_vma(init, q, k, v, q_offset, kv_length)
+    if size >= dims.kv_seq:  # one block: no loop, no merge
+        vis = _block_visibility(dims, size, 0, 0, kv_pos, q_offset, kv_length, causal)
+        out, lse = _block_partial(qr, k.astype(ct), v.astype(ct), vis, dims)
+    else:
+        out, lse = lax.fori_loop(0, n_blocks, body, init)
+    return from_rows(out, dims).astype(q.dtype), lse_from_rows(lse, dims)
+
+
+def _empty(q, k, v, q_offset, kv_length, dims: Dims):
+    out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
+    lse = jnp.full((dims.batch, dims.q_seq, dims.heads), -jnp.inf, compute_dtype(q.dtype))
+    return match_vma((out, lse), q, k, v, q_offset, kv_length)
+
+
+def xla_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+    """The portable kernel: blockwise online softmax, `(out, lse)` per block merged with
+    `merge_partials`; one block (no loop) when the logits fit LOGITS_BUDGET. A call whose rows
+    see no key at all (a shard past the filled part of a cache) does no work."""
+    row = functools.partial(
+        _xla_row, dims=dims, causal=causal, scale=scale, block=block_size(dims, block)
+    )
+    limit = jnp.minimum(kv_length, q_offset + dims.q_seq) if causal else kv_length
+    first_pos = 0 if kv_pos is None else jnp.min(kv_pos, axis=-1)
+    with jax.named_scope("flash_xla"):
+        return lax.cond(
+            jnp.any(first_pos < limit),
+            lambda: jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos),
+            lambda: _empty(q, k, v, q_offset, kv_length, dims),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient of every fused kernel: a blockwise backward from (out, lse)
+# ---------------------------------------------------------------------------------------------
+
+
+def _backward_row(
+    q,
+    k,
+    v,
+    q_offset,
+    kv_length,
+    kv_pos,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    dims: Dims,
+    causal,
+    scale,
+    block,
+):
+    r"""Cotangents of (q, k, v) for one batch row, one block of keys at a time.
+
+    With $p_a = e^{x_a - \mathrm{lse}}$: $\partial x_a = p_a(\bar o\cdot v_a - \bar o\cdot o +
+    \overline{\mathrm{lse}})$, $\bar q = s\sum_a \partial x_a k_a$,
+    $\bar k_a = s\sum \partial x_a q$, $\bar v_a = \sum p_a \bar o$ (FlashAttention-2's
+    backward, plus the lse cotangent). Hidden keys get exactly 0 (`where`), whatever they hold.
+    """
+    ct = compute_dtype(q.dtype)
+    qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
+    do = to_rows(d_out.astype(ct), dims)  # [kh, rows, dv]
+    o = to_rows(out.astype(ct), dims)
+    lse_r = lse_to_rows(lse, dims).astype(ct)
+    dl = lse_to_rows(d_lse, dims).astype(ct)
+    lse_safe = jnp.where(jnp.isfinite(lse_r), lse_r, 0.0)
+    delta = jnp.sum(do * o, axis=-1) - dl  # [kh, rows]
+    size = block_size(dims, block)
+    ax = dims.seq_axis
+    ks, vs = _k_spec(dims), _v_spec(dims)
+
+    def block_grads(kb, vb, start, first):
+        kb, vb, bad = _finite_block(kb, vb, dims)
+        vis = _block_visibility(dims, size, start, first, kv_pos, q_offset, kv_length, causal)
+        logits = poison(jnp.einsum(f"kmd,{ks}->kmb", qr, kb), bad[:, None, :])
+        p = jnp.where(vis, jnp.exp(logits - lse_safe[..., None]), 0.0)
+        dp = jnp.einsum(f"kmv,{vs}->kmb", do, vb)
+        dx = jnp.where(vis, p * (dp - delta[..., None]), 0.0)
+        dq_b = jnp.einsum(f"kmb,{ks}->kmd", dx, kb)
+        dk_b = jnp.einsum(f"kmb,kmd->{ks}", dx, qr)
+        dv_b = jnp.einsum(f"kmb,kmv->{vs}", p, do)
+        return dq_b, dk_b, dv_b
+
+    def body(i, carry):
+        dq, dk, dv = carry
+        first = i * size
+        start = jnp.minimum(first, dims.kv_seq - size)
+        kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
+        vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
+        dq_b, dk_b, dv_b = block_grads(kb, vb, start, first)
+        dq = dq + dq_b
+        # Add (not write): keys shared with the previous block got 0 here.
+        dk = lax.dynamic_update_slice_in_dim(
+            dk, lax.dynamic_slice_in_dim(dk, start, size, axis=ax) + dk_b, start, axis=ax
+        )
+        dv = lax.dynamic_update_slice_in_dim(
+            dv, lax.dynamic_slice_in_dim(dv, start, size, axis=ax) + dv_b, start, axis=ax
+        )
+        return dq, dk, dv
+
+    if size >= dims.kv_seq:
+        dq, dk, dv = block_grads(k.astype(ct), v.astype(ct), 0, 0)
+    else:
+        init = (jnp.zeros(qr.shape, ct), jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct))
+        init = match_vma(init, q, k, v, q_offset, kv_length, out, lse, d_out, d_lse)
+        dq, dk, dv = lax.fori_loop(0, -(-dims.kv_seq // size), body, init)
+    dq = from_rows(dq * jnp.asarray(scale, ct), dims)
+    # dk picked up q * scale already (qr is scaled).
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7, 8, 9, 10))
+def fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block):
+    """`forward(q, k, v, q_offset, kv_length, kv_pos, ...)` -> (out, lse), with the blockwise
+    backward.
+
+    Kernels whose lse is not differentiable (or whose forward cannot be differentiated at all:
+    Pallas, cuDNN's residual, flash-attn-jax, the C++ kernel, a dynamic-length loop) get their
+    gradient here. Forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) is not defined for
+    them; use reverse mode, or `backend="reference"`, which JAX differentiates either way.
+    """
+    return forward(
+        q, k, v, q_offset, kv_length, kv_pos, dims=dims, causal=causal, scale=scale, block=block
+    )
+
+
+def _fused_fwd(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block):
+    # Calling `fused` (not `forward`) here keeps the residuals differentiable through this
+    # same rule, so the gradient can itself be differentiated (training through attention).
+    out, lse = fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block)  # type: ignore[misc]
+    return (out, lse), (q, k, v, q_offset, kv_length, kv_pos, out, lse)
+
+
+def _fused_bwd(forward, dims, causal, scale, block, res, cts):
+    q, k, v, q_offset, kv_length, kv_pos, out, lse = res
+    d_out, d_lse = cts
+    row = functools.partial(_backward_row, dims=dims, causal=causal, scale=scale, block=block)
+    dq, dk, dv = jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos, out, lse, d_out, d_lse)
+
+    def no_cotangent(x):
+        return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+
+    return (dq, dk, dv, no_cotangent(q_offset), no_cotangent(kv_length), no_cotangent(kv_pos))
+
+
+fused.defvjp(_fused_fwd, _fused_bwd)
