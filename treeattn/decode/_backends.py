@@ -23,7 +23,7 @@ from ._flash import (
     reference_forward,
     xla_forward,
 )
-from ._native import cpu_forward, unavailable as native_unavailable
+from ._native import cpu_forward, load_kernel
 
 
 BACKENDS = ("auto", "flash_attn_jax", "cudnn", "pallas", "cpu", "xla", "reference")
@@ -150,7 +150,7 @@ def why_not(
             return f"it runs on XLA:CPU (jax.default_backend() is {jax.default_backend()!r})"
         if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
             return f"it takes float32/bfloat16 only, got {jnp.dtype(dtype)}"
-        return native_unavailable()
+        return load_kernel()
     if has_positions:
         return "it needs the keys in position order (kv_positions was given)"
     if backend == "pallas":
