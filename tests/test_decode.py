@@ -398,7 +398,10 @@ def test_cpu_kernel_cache_is_reused(monkeypatch, tmp_path):
     assert first.parent == tmp_path and first.suffix == ".so"
     stamp = first.stat().st_mtime_ns
     assert _native._build() == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    # The library, its manifest and its lock; no temporary left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        first.with_suffix(suffix).name for suffix in (".so", ".json", ".lock")
+    )
 
 
 def test_cpu_kernel_threads_over_batch_and_heads(getkey):

@@ -21,6 +21,8 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -221,8 +223,13 @@ void run_all(const Dims& d, ffi::ThreadPool& pool, const void* q, const void* k,
 ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_length,
                   ffi::Buffer<ffi::S32> kv_pos, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, bool causal, bool bhsd,
-                  bool has_pos) {
+                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, bool causal,
+                  std::string_view layout, bool has_pos) {
+  if (layout != "bshd" && layout != "bhsd") {
+    return ffi::Error::InvalidArgument("treeattn_cpu_decode: layout must be bshd or bhsd, got " +
+                                       std::string(layout));
+  }
+  const bool bhsd = layout == "bhsd";
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: q, k, v must have rank 4");
@@ -272,5 +279,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuDecode, Decode,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
-                                  .Attr<bool>("bhsd")
+                                  .Attr<std::string_view>("layout")
                                   .Attr<bool>("has_pos"));
