@@ -119,10 +119,12 @@ def check_position(
         return
     dtype = jnp.result_type(value)
     shape = shape_of(value)
+    if batch is None and (not jnp.issubdtype(dtype, jnp.integer) or shape != ()):
+        raise ValueError(
+            f"{fn}: {name} must be an integer scalar, got dtype {dtype} and shape {shape}"
+        )
     if not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"{fn}: {name} must be an integer or integer array, got dtype {dtype}")
-    if batch is None and shape != ():
-        raise ValueError(f"{fn}: {name} must be an integer scalar, got shape {shape}")
     if batch is not None and shape not in ((), (batch,)):
         raise ValueError(
             f"{fn}: {name} must be a scalar or have shape [batch] = ({batch},), got {shape}"

@@ -87,6 +87,7 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
   std::vector<float> qr(rows * d.qk), acc(rows * d.dv, 0.0f), m(rows, kNegInf), l(rows, 0.0f);
   std::vector<float> s(kBlock * rows);
   std::vector<int64_t> qpos(rows);
+  std::vector<char> nan_row(rows, 0);
   const int64_t offset = q_offset[b], length = kv_length[b];
   for (int64_t j = 0; j < g; ++j) {
     for (int64_t t = 0; t < d.q_seq; ++t) {
@@ -124,7 +125,13 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
     if (!any) continue;
     for (int64_t r = 0; r < rows; ++r) {
       float block_max = kNegInf;
-      for (int64_t i = 0; i < n; ++i) block_max = std::max(block_max, s[i * rows + r]);
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = s[i * rows + r];
+        // std::max ignores a NaN second argument: a NaN logit (a NaN query or key the row
+        // sees) is recorded, so the row reads NaN rather than "saw no key".
+        if (std::isnan(x)) nan_row[r] = 1;
+        block_max = std::max(block_max, x);
+      }
       const float m_new = std::max(m[r], block_max);
       if (m_new == kNegInf) {  // nothing visible to this row yet
         for (int64_t i = 0; i < n; ++i) s[i * rows + r] = 0.0f;
@@ -161,8 +168,12 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       const bool empty = !(l[r] > 0.0f);
       const float inv = empty ? 0.0f : 1.0f / l[r];
       T* dst = out + ((b * d.q_seq + t) * d.heads + head) * d.dv;
-      for (int64_t i = 0; i < d.dv; ++i) store(dst + i, acc[r * d.dv + i] * inv);
-      lse[(b * d.heads + head) * d.q_seq + t] = empty ? kNegInf : m[r] + std::log(l[r]);
+      bool bad = nan_row[r] != 0;
+      for (int64_t i = 0; i < d.dv; ++i) bad |= !std::isfinite(acc[r * d.dv + i]);
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t i = 0; i < d.dv; ++i) store(dst + i, bad ? nan : acc[r * d.dv + i] * inv);
+      float row_lse = empty ? kNegInf : m[r] + std::log(l[r]);
+      lse[(b * d.heads + head) * d.q_seq + t] = bad ? nan : row_lse;
     }
   }
 }

@@ -99,19 +99,29 @@ def flash_attention(
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     if positions is None:
         lengths = jnp.minimum(lengths, dims.kv_seq)
-    return run_kernel(
-        name,
-        q,
-        k,
-        v,
-        offsets,
-        lengths,
-        positions,
-        dims=dims,
-        causal=causal,
-        scale=s,
-        block=block_size,
-    )
+    try:
+        return run_kernel(
+            name,
+            q,
+            k,
+            v,
+            offsets,
+            lengths,
+            positions,
+            dims=dims,
+            causal=causal,
+            scale=s,
+            block=block_size,
+        )
+    except TypeError as e:
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(
+            f"{fn}: forward-mode differentiation (jax.jvp, jax.jacfwd) is not defined for the "
+            f"fused kernels (backend {name!r}), whose gradient is a custom VJP; use reverse mode "
+            "(jax.grad, jax.vjp, jax.jacrev), or backend='reference', which JAX differentiates "
+            "in either mode"
+        ) from e
 
 
 @functools.partial(jax.jit, static_argnames=("name", "dims", "causal", "scale", "block"))

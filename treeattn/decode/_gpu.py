@@ -76,6 +76,12 @@ def pallas_forward(
         pad = ((0, 0), (0, 0), (0, padded - dims.kv_seq), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)  # masked by the key lengths below
     lengths = jnp.minimum(kv_length, q_offset + 1) if causal else kv_length
+    # The kernel masks by adding a large negative number to the logits and multiplies its
+    # weights into every value row of a block: an unfilled slot holding NaN would reach every
+    # row. Slots at or past the length are zeroed first (fused with the padding copy).
+    keep = (jnp.arange(padded, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :, None]
+    k = jnp.where(keep, k, jnp.zeros((), k.dtype))
+    v = jnp.where(keep, v, jnp.zeros((), v.dtype))
     # The kernel multiplies a boolean mask into float logits, which strict promotion rejects.
     with jax.numpy_dtype_promotion("standard"):
         out, (denom, m) = decode_attention.mqa(

@@ -22,7 +22,7 @@ def reference_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causa
     bad = jnp.any(~jnp.isfinite(k), axis=-1) | jnp.any(~jnp.isfinite(v), axis=-1)  # [b, s, h]
     k = jnp.where(bad[..., None], 0.0, k)
     v = jnp.where(bad[..., None], 0.0, v)
-    logits = jnp.einsum("bqhd,bshd->bhqs", q.astype(ct), k) * jnp.asarray(scale, ct)
+    logits = jnp.einsum("bqhd,bshd->bhqs", q.astype(ct) * jnp.asarray(scale, ct), k)
     logits = jnp.where(jnp.swapaxes(bad, 1, 2)[:, :, None, :], jnp.nan, logits)
     pos = jnp.arange(dims.kv_seq)[None, :] if kv_pos is None else kv_pos  # [#b, s]
     seen = pos[:, None, :] < kv_length[:, None, None]  # [b, 1, s]

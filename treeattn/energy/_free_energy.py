@@ -97,10 +97,16 @@ def scaled_logits(
     dims: Dims,
     scale: float,
 ) -> Float[Array, "kv_heads rows kv_seq"]:
-    r"""$s\,q_{i,h}\cdot k_{a,g(h)}$ in the rows layout, in at least float32."""
+    r"""$s\,q_{i,h}\cdot k_{a,g(h)}$ in the rows layout, in at least float32.
+
+    The scale multiplies the queries, before the product: the logits are then one array that
+    the max and the exponential both read. Scaling the product instead lets XLA recompute it in
+    each fusion, rounded differently (contracted), which at a huge scale puts the maximum
+    logit far from the max and turns the softmax into inf/inf.
+    """
     ct = compute_dtype(q.dtype)
-    logits = jnp.einsum("kmd,skd->kms", to_rows(q.astype(ct), dims), k.astype(ct))
-    return logits * jnp.asarray(scale, ct)
+    qs = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
+    return jnp.einsum("kmd,skd->kms", qs, k.astype(ct))
 
 
 def energy_terms(
@@ -389,8 +395,7 @@ def _attention_reference(q, k, v, mask, q_offset, *, causal, scale) -> Array:
     ct = compute_dtype(q.dtype)
     k, v, bad = finite_kv(k, v)
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
-    logits = jnp.einsum("kmd,skd->kms", to_rows(q.astype(ct), dims), k.astype(ct))
-    logits = bad_logits(logits * jnp.asarray(default_scale(dims.qk, scale), ct), bad)
+    logits = bad_logits(scaled_logits(q, k, dims, default_scale(dims.qk, scale)), bad)
     logits = logits.reshape(shape)
     if vis is not None:
         logits = jnp.where(vis, logits, -jnp.inf)

@@ -1,0 +1,45 @@
+"""The shape of the house: benchmarks and examples use treeattn through its public names only
+(the package's own floors are checked by import-linter in `make lint`)."""
+
+import ast
+import pathlib
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").glob("*.py")])
+
+
+def private_imports(path: pathlib.Path) -> list[str]:
+    """`treeattn` imports of `path` that name a private module or a private name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] != "treeattn":
+                continue
+            private = [p for p in parts[1:] if p.startswith("_")]
+            private += [n for n in names if n.startswith("_") and n != "__version__"]
+            if private:
+                found.append(f"line {node.lineno}: {module} {names or ''}".strip())
+    return found
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_use_public_names(path):
+    assert not private_imports(path), private_imports(path)
+
+
+def test_the_check_sees_a_private_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from treeattn.models._train import load_text\nimport treeattn.energy\n")
+    assert private_imports(bad) == ["line 1: treeattn.models._train ['load_text']"]
