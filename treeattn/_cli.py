@@ -16,7 +16,7 @@ def _join_run(devices: int | None) -> None:
     otherwise give a CPU-only JAX `devices` simulated devices. Must run before JAX starts."""
     import jax
 
-    from .decode import initialize
+    from .distributed import initialize
 
     if initialize() is not None or devices is None:
         return

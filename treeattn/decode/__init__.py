@@ -1,5 +1,13 @@
 """Fused local attention with `(out, lse)`, tree decoding (Algorithm 3), the ring baseline."""
 
+from ..distributed import (
+    ProcessConfig as ProcessConfig,
+    check_devices as check_devices,
+    initialize as initialize,
+    kv_mesh as kv_mesh,
+    node_mesh as node_mesh,
+    process_config_from_env as process_config_from_env,
+)
 from ._backends import (
     BACKENDS as BACKENDS,
     BackendUnavailable as BackendUnavailable,
@@ -12,14 +20,6 @@ from ._cost_model import (
     Cluster as Cluster,
     DecodeCost as DecodeCost,
     cost_model as cost_model,
-)
-from ._distributed import (
-    ProcessConfig as ProcessConfig,
-    check_devices as check_devices,
-    initialize as initialize,
-    kv_mesh as kv_mesh,
-    node_mesh as node_mesh,
-    process_config_from_env as process_config_from_env,
 )
 from ._ring import ring_decode as ring_decode
 from ._tree import tree_decode as tree_decode
