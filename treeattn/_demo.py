@@ -195,8 +195,15 @@ def model_demo(new_tokens: int = 240) -> int:
     from jax.sharding import Mesh
     from tqdm.auto import tqdm
 
-    from .models import AttentionBackend, Transformer, decode_step, generate, prefill
-    from .models._train import CHECKPOINTS, CharTokenizer
+    from .models import (
+        CHECKPOINTS,
+        AttentionBackend,
+        CharTokenizer,
+        Transformer,
+        decode_step,
+        generate,
+        prefill,
+    )
 
     path = CHECKPOINTS / "sonnets"
     model = Transformer.from_pretrained(path)

@@ -6,6 +6,12 @@ from ._attention import (
     attend as attend,
 )
 from ._cache import KVCache as KVCache
+from ._data import (
+    CHECKPOINTS as CHECKPOINTS,
+    DATA as DATA,
+    CharTokenizer as CharTokenizer,
+    load_text as load_text,
+)
 from ._generate import (
     decode_step as decode_step,
     generate as generate,
@@ -24,7 +30,6 @@ from ._llama import (
     Transformer as Transformer,
 )
 from ._train import (
-    CharTokenizer as CharTokenizer,
     TrainConfig as TrainConfig,
     lm_loss as lm_loss,
     train as train,
