@@ -6,6 +6,7 @@ from ._attention import (
     attend as attend,
 )
 from ._cache import KVCache as KVCache
+from ._config import LlamaConfig as LlamaConfig
 from ._data import (
     CHECKPOINTS as CHECKPOINTS,
     DATA as DATA,
@@ -24,11 +25,7 @@ from ._layers import (
     RotaryEmbedding as RotaryEmbedding,
     SwiGLU as SwiGLU,
 )
-from ._llama import (
-    DecoderBlock as DecoderBlock,
-    LlamaConfig as LlamaConfig,
-    Transformer as Transformer,
-)
+from ._llama import DecoderBlock as DecoderBlock, Transformer as Transformer
 from ._train import (
     TrainConfig as TrainConfig,
     lm_loss as lm_loss,
