@@ -6,10 +6,13 @@ import pathlib
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attention import AttentionBackend, MultiheadAttention, as_backend
-from ._cache import KVCache
+from ._cache import KVCache, remember, reserve
 from ._config import LlamaConfig
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -140,7 +143,16 @@ class Transformer(eqx.Module):
         backend: str | AttentionBackend | None = None,
     ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], KVCache]:
         """Logits of every position; with `cache`, the tokens follow the cached ones and the
-        updated cache is returned too."""
+        updated cache is returned too.
+
+        Token ids must be integers (checked always) in `[0, vocab_size)`. Concrete tokens
+        (an eager call) are checked and an id outside raises a `ValueError`; traced tokens
+        (under `jit`, `vmap`, `grad`) cannot be, and the embedding lookup clamps them: an id
+        `>= vocab_size` reads the last row, a negative one counts from the end. Writing past
+        the cache's `max_len` is covered in `KVCache` ("Overflow").
+        """
+        check_token_type("Transformer", tokens, self.config.vocab_size, ndim=1)
+        check_token_ids("Transformer", tokens, self.config.vocab_size)
         return self.from_embeddings(jax.vmap(self.embed_tokens)(tokens), cache, backend=backend)
 
     def from_embeddings(
@@ -152,6 +164,7 @@ class Transformer(eqx.Module):
     ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], KVCache]:
         """As `__call__`, from token embeddings (differentiable inputs)."""
         be = None if backend is None else as_backend(backend)
+        length = None if cache is None else reserve(cache, x.shape[0])
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
         def layer(x, xs):
@@ -171,7 +184,15 @@ class Transformer(eqx.Module):
             logits = x @ self.embed_tokens.weight.T
         else:
             logits = jax.vmap(self.lm_head)(x)
-        return logits if cache is None else (logits, new_cache)
+        if cache is None:
+            return logits
+        if cache.devices > 1:
+            # A sharded cache cannot raise inside the program (see `KVCache`): the overflow,
+            # decided from the replicated length alone, shows as NaN logits instead.
+            overflow = jnp.max(cache.length) + x.shape[0] > cache.max_len
+            logits = jnp.where(overflow, jnp.asarray(jnp.nan, logits.dtype), logits)
+        remember(new_cache, length)
+        return logits, new_cache
 
     # -----------------------------------------------------------------------------------------
     # Hugging Face checkpoints (safetensors; no torch needed)
@@ -207,3 +228,26 @@ class Transformer(eqx.Module):
         from ._hf import save_pretrained
 
         save_pretrained(self, path)
+
+
+def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:
+    """Token ids are integer arrays of the expected rank (static: checked under `jit` too)."""
+    dtype = getattr(tokens, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: token ids must be integers in [0, vocab_size={vocab}), got dtype {dtype}"
+        )
+    if tokens.ndim != ndim:
+        want = "a scalar" if ndim == 0 else f"{ndim}-d"
+        raise ValueError(f"{name}: the token ids must be {want}, got shape {tokens.shape}")
+
+
+def check_token_ids(name: str, tokens, vocab: int) -> None:
+    """Concrete token ids lie in `[0, vocab)`; traced ones cannot be checked here."""
+    if isinstance(tokens, Tracer):
+        return
+    ids = np.asarray(tokens)
+    bad = np.unique(ids[(ids < 0) | (ids >= vocab)])
+    if bad.size:
+        shown = ", ".join(str(int(i)) for i in bad[:8]) + (", ..." if bad.size > 8 else "")
+        raise ValueError(f"{name}: token ids {shown} are outside [0, vocab_size={vocab})")
