@@ -183,7 +183,10 @@ def reserve(cache: KVCache, n: int) -> int | None:
     if known is not None and known[0]() is length:
         held = known[1]
     else:
-        held = int(np.max(np.asarray(length))) if length.size else 0
+        # Replicated: any one copy will do (in a multi-process run not every copy is local).
+        addressable = getattr(length, "is_fully_addressable", True)
+        local = length if addressable else length.addressable_data(0)
+        held = int(np.max(np.asarray(local))) if length.size else 0
     if held + n > cache.max_len:
         raise ValueError(_overflow_message(n, held, cache.max_len))
     return held + n

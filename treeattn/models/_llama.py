@@ -244,8 +244,8 @@ def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:
 
 def check_token_ids(name: str, tokens, vocab: int) -> None:
     """Concrete token ids lie in `[0, vocab)`; traced ones cannot be checked here."""
-    if isinstance(tokens, Tracer):
-        return
+    if isinstance(tokens, Tracer) or not getattr(tokens, "is_fully_addressable", True):
+        return  # traced, or spread over processes: not readable here
     ids = np.asarray(tokens)
     bad = np.unique(ids[(ids < 0) | (ids >= vocab)])
     if bad.size:
