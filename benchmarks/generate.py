@@ -35,8 +35,14 @@ def main() -> None:
     import transformers
     from _common import machine, write_json
 
-    from treeattn.models import LlamaConfig, Transformer, generate
-    from treeattn.models._train import CHECKPOINTS, CharTokenizer, load_text
+    from treeattn.models import (
+        CHECKPOINTS,
+        CharTokenizer,
+        LlamaConfig,
+        Transformer,
+        generate,
+        load_text,
+    )
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.random_model:

@@ -32,7 +32,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def worker(args) -> None:
     """One process of a run (or the whole single-process baseline): time tree and ring."""
-    from treeattn.decode import initialize
+    from treeattn.distributed import initialize
 
     if initialize() is None:  # the one-process baseline
         import jax
@@ -43,7 +43,8 @@ def worker(args) -> None:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from treeattn.decode import kv_mesh, ring_decode, tree_decode
+    from treeattn.decode import ring_decode, tree_decode
+    from treeattn.distributed import kv_mesh
     from treeattn.profiling import collective_stats
 
     mesh = kv_mesh()

@@ -16,8 +16,15 @@ import pathlib
 
 import jax
 
-from treeattn.models import CharTokenizer, LlamaConfig, TrainConfig, Transformer, train
-from treeattn.models._train import CHECKPOINTS, load_text
+from treeattn.models import (
+    CHECKPOINTS,
+    CharTokenizer,
+    LlamaConfig,
+    TrainConfig,
+    Transformer,
+    load_text,
+    train,
+)
 
 
 MODEL = dict(

@@ -76,7 +76,7 @@ def compute(mesh, reduction="allreduce"):
 
 
 def main() -> None:
-    from treeattn.decode import initialize, kv_mesh
+    from treeattn.distributed import initialize, kv_mesh
 
     config = initialize()
     assert config is not None, "run under treeattn launch (or set TREEATTN_* variables)"

@@ -59,3 +59,43 @@ def test_help(args):
 def test_launch_without_a_command_is_a_usage_error():
     done = treeattn("launch", "-n", "2")
     assert done.returncode == 2 and "no command given" in done.stderr
+
+
+def test_launch_of_a_subcommand_without_treeattn_suggests_it():
+    done = treeattn("launch", "-n", "2", "--", "verify")
+    assert done.returncode == 2
+    assert "command 'verify' not found" in done.stderr
+    assert "treeattn launch -n 2 -- treeattn verify" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_launch_of_an_unknown_program_is_a_usage_error():
+    done = treeattn("launch", "-n", "2", "--", "treeattn-no-such-program")
+    assert done.returncode == 2
+    assert "command 'treeattn-no-such-program' not found" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--devices", "0"),
+        ("--devices", "-2"),
+        ("--kv-seq", "0"),
+        ("--kv-seq", "-5"),
+        ("--kv-seq", "-8"),
+        ("--kv-seq", "many"),
+    ],
+)
+def test_verify_rejects_non_positive_sizes(option, value):
+    done = treeattn("verify", option, value, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"argument {option}:" in done.stderr and value in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_verify_rejects_a_cache_not_split_evenly():
+    done = treeattn("verify", "--devices", "4", "--kv-seq", "6", timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--kv-seq: 6 must be a multiple of the 4 devices" in done.stderr
+    assert "Traceback" not in done.stderr

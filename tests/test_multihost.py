@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from treeattn.decode import ProcessConfig, initialize, process_config_from_env
-from treeattn.decode._distributed import free_port
+from treeattn.distributed import ProcessConfig, free_port, initialize, process_config_from_env
 
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -12,13 +12,14 @@ import pytest
 from jax.sharding import Mesh
 
 from treeattn.models import (
+    CHECKPOINTS,
     AttentionBackend,
     CharTokenizer,
     Transformer,
     generate,
     lm_loss,
+    load_text,
 )
-from treeattn.models._train import CHECKPOINTS, load_text
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

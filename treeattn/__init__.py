@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from . import decode as decode, energy as energy, models as models
+from . import decode as decode, distributed as distributed, energy as energy, models as models
 
 
 __version__ = importlib.metadata.version("treeattn")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ def _join_run(devices: int | None) -> None:
     otherwise give a CPU-only JAX `devices` simulated devices. Must run before JAX starts."""
     import jax
 
-    from .decode import initialize
+    from .distributed import initialize
 
     if initialize() is not None or devices is None:
         return
@@ -25,6 +26,17 @@ def _join_run(devices: int | None) -> None:
             jax.config.update("jax_num_cpu_devices", devices)
     except RuntimeError:  # JAX already initialised: use the devices it has
         pass
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer (argparse names the option in its message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,9 +63,14 @@ def _parser() -> argparse.ArgumentParser:
         "any path disagrees. Runs across processes under `treeattn launch`.",
     )
     verify.add_argument(
-        "--devices", type=int, default=8, help="simulated CPU devices of a one-process run"
+        "--devices", type=_positive, default=8, help="simulated CPU devices of a one-process run"
     )
-    verify.add_argument("--kv-seq", type=int, default=4096, help="cache length (default 4096)")
+    verify.add_argument(
+        "--kv-seq",
+        type=_positive,
+        default=4096,
+        help="cache length, a multiple of the device count (default 4096)",
+    )
     bench = sub.add_parser(
         "bench",
         help="run a benchmark script (decode, reduction, generate, multihost, energy)",
@@ -72,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("-n", "--num-processes", type=int, required=True)
     launch.add_argument(
-        "--devices-per-process", type=int, default=None, help="simulated CPU devices each"
+        "--devices-per-process", type=_positive, default=None, help="simulated CPU devices each"
     )
     launch.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     launch.add_argument(
@@ -95,7 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if run() else 0
     if args.command == "verify":
         _join_run(args.devices)
+        import jax
+
         from ._verify import run as verify
+
+        if args.kv_seq % jax.device_count():
+            parser.error(
+                f"argument --kv-seq: {args.kv_seq} must be a multiple of the "
+                f"{jax.device_count()} devices"
+            )
 
         return verify(kv_seq=args.kv_seq)
     if args.command == "bench":
@@ -106,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if cmd[:1] == ["treeattn"]:  # this installation's entry point, whatever PATH says
             cmd = [sys.executable, "-m", "treeattn", *cmd[1:]]
+        elif cmd and shutil.which(cmd[0]) is None:
+            hint = (
+                f"; to run `treeattn {cmd[0]}` in each process, write `treeattn launch -n "
+                f"{args.num_processes} -- treeattn {' '.join(cmd)}`"
+                if cmd[0] in ("demo", "verify", "bench", "launch")
+                else ""
+            )
+            parser.error(f"launch: command {cmd[0]!r} not found{hint}")
         try:
             return launch(
                 cmd,

@@ -195,8 +195,15 @@ def model_demo(new_tokens: int = 240) -> int:
     from jax.sharding import Mesh
     from tqdm.auto import tqdm
 
-    from .models import AttentionBackend, Transformer, decode_step, generate, prefill
-    from .models._train import CHECKPOINTS, CharTokenizer
+    from .models import (
+        CHECKPOINTS,
+        AttentionBackend,
+        CharTokenizer,
+        Transformer,
+        decode_step,
+        generate,
+        prefill,
+    )
 
     path = CHECKPOINTS / "sonnets"
     model = Transformer.from_pretrained(path)
@@ -207,7 +214,7 @@ def model_demo(new_tokens: int = 240) -> int:
     c = model.config
     print(
         f"\n== 2. the shipped model ({c.num_hidden_layers} layers x {c.hidden_size}, "
-        f"{c.num_attention_heads} heads / {c.kv_heads} kv heads, trained on the Sonnets "
+        f"{c.num_attention_heads} heads / {c.num_key_value_heads} kv heads, trained on the Sonnets "
         f"through the energy path), KV cache sharded over {p} devices ==\n"
     )
     prompt = tokenizer.encode("Shall I compare thee to a summer's day?\n")

@@ -25,7 +25,7 @@ def launch(
 
     Each child gets `TREEATTN_COORDINATOR=127.0.0.1:<port>` (a free port unless given),
     `TREEATTN_NUM_PROCESSES`, `TREEATTN_PROCESS_ID` and, with `devices_per_process`,
-    `TREEATTN_LOCAL_DEVICES`, which `treeattn.decode.initialize()` reads. Output lines are
+    `TREEATTN_LOCAL_DEVICES`, which `treeattn.distributed.initialize()` reads. Output lines are
     forwarded with a `[i]` prefix. When a process fails, the others get `grace` seconds to
     stop on their own (JAX's failure detection) and are then terminated; every child is gone
     when this returns, also on Ctrl-C.
@@ -33,7 +33,7 @@ def launch(
     **Returns:** 0 if every process succeeded, else the first non-zero exit status (128 + the
     signal number for a process killed by a signal).
     """
-    from .decode._distributed import free_port
+    from .distributed import free_port
 
     if num_processes < 1:
         raise ValueError(f"launch: -n must be at least 1, got {num_processes}")

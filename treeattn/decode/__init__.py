@@ -1,18 +1,18 @@
 """Fused local attention with `(out, lse)`, tree decoding (Algorithm 3), the ring baseline."""
 
-from ._cost_model import (
-    DGX_H100 as DGX_H100,
-    Cluster as Cluster,
-    DecodeCost as DecodeCost,
-    cost_model as cost_model,
-)
-from ._distributed import (
+from ..distributed import (
     ProcessConfig as ProcessConfig,
     check_devices as check_devices,
     initialize as initialize,
     kv_mesh as kv_mesh,
     node_mesh as node_mesh,
     process_config_from_env as process_config_from_env,
+)
+from ._cost_model import (
+    DGX_H100 as DGX_H100,
+    Cluster as Cluster,
+    DecodeCost as DecodeCost,
+    cost_model as cost_model,
 )
 from ._flash import (
     flash_attention as flash_attention,

@@ -6,6 +6,13 @@ from ._attention import (
     attend as attend,
 )
 from ._cache import KVCache as KVCache
+from ._config import LlamaConfig as LlamaConfig
+from ._data import (
+    CHECKPOINTS as CHECKPOINTS,
+    DATA as DATA,
+    CharTokenizer as CharTokenizer,
+    load_text as load_text,
+)
 from ._generate import (
     decode_step as decode_step,
     generate as generate,
@@ -18,13 +25,8 @@ from ._layers import (
     RotaryEmbedding as RotaryEmbedding,
     SwiGLU as SwiGLU,
 )
-from ._llama import (
-    DecoderBlock as DecoderBlock,
-    LlamaConfig as LlamaConfig,
-    Transformer as Transformer,
-)
+from ._llama import DecoderBlock as DecoderBlock, Transformer as Transformer
 from ._train import (
-    CharTokenizer as CharTokenizer,
     TrainConfig as TrainConfig,
     lm_loss as lm_loss,
     train as train,

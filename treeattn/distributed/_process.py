@@ -241,7 +241,7 @@ def _set_local_devices(n: int) -> None:
     except RuntimeError as e:
         raise RuntimeError(
             f"cannot set local_devices={n}: JAX has already started its backends; call "
-            "treeattn.decode.initialize before any JAX computation"
+            "treeattn.distributed.initialize before any JAX computation"
         ) from e
 
 
