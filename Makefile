@@ -38,6 +38,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check treeattn tests benchmarks examples
 	$(BIN)/ruff format --check treeattn tests benchmarks examples
 	$(BIN)/pyright --pythonpath $(BIN)/python
+	$(BIN)/lint-imports
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site

@@ -336,9 +336,7 @@ def test_nan_query_flash_attention(backend, getkey):
     good = np.ones((B, 2), bool)
     good[0, NAN_ROW] = False
     assert ref.rel_err(out[good], exp_out[good]) <= TOL32
-    np.testing.assert_allclose(
-        lse[good], exp_lse[good], rtol=1e-5, atol=1e-5
-    )
+    np.testing.assert_allclose(lse[good], exp_lse[good], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def check_position(
             f"{fn}: {name} must be a scalar or have shape [batch] = ({batch},), got {shape}"
         )
     if minimum is not None and isinstance(value, np.ndarray | np.generic):
-        if np.any(value < minimum):
+        if np.any(np.asarray(value, dtype=np.int64) < minimum):
             raise ValueError(f"{fn}: {name} must be >= {minimum}, got {value}")
 
 

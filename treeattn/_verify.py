@@ -89,7 +89,7 @@ def paths(problem: Problem, q, k, v, lengths):
         if backend == "auto":
             continue
 
-        def fused(backend=backend):
+        def fused(backend: decode.Backend = backend):
             out, _ = decode.flash_attention(
                 q,
                 k,
@@ -106,10 +106,12 @@ def paths(problem: Problem, q, k, v, lengths):
     p = jax.device_count()
     mesh = decode.kv_mesh()
     ks, vs = _sharded(k, mesh, "kv"), _sharded(v, mesh, "kv")
-    schedules = ["allreduce"] + (["butterfly"] if p & (p - 1) == 0 else [])
+    schedules: list[energy.Reduction] = ["allreduce"]
+    if p & (p - 1) == 0:
+        schedules.append("butterfly")
     for reduction in schedules:
 
-        def tree(reduction=reduction):
+        def tree(reduction: energy.Reduction = reduction):
             return decode.tree_decode(
                 q,
                 ks,

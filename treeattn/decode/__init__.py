@@ -14,6 +14,7 @@ from ._cost_model import (
     DecodeCost as DecodeCost,
     cost_model as cost_model,
 )
+from .._numerics import Layout as Layout
 from ._flash import (
     flash_attention as flash_attention,
     flash_attention_reference as flash_attention_reference,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
@@ -15,10 +17,10 @@ def check_decode(
     v,
     *,
     kv_layout: str,
-    kv_length=None,
-    q_offset=0,
-    kv_positions=None,
-    scale=None,
+    kv_length: Any = None,
+    q_offset: Any = 0,
+    kv_positions: Any = None,
+    scale: Any = None,
 ) -> Dims:
     """Validate `q[batch, q_seq, heads, qk]` and K/V in `kv_layout`, the per-row positions and
     lengths, and `scale`. Returns the sizes; `ValueError`s name the argument and the shapes."""

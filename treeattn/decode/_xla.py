@@ -78,7 +78,9 @@ def _block_visibility(dims: Dims, size, start, first, kv_pos, q_offset, kv_lengt
         kv_length=kv_length,
         slots=slot >= first,
     )
-    return rows_visibility(vis, block)
+    vis = rows_visibility(vis, block)
+    assert vis is not None  # `slots` is always given
+    return vis
 
 
 def _block_partial(qr, kb, vb, visible, dims: Dims):

@@ -1,6 +1,7 @@
 """The free energy of attention: attention as its gradient, cumulants, the likelihood view."""
 
 from .._partials import (
+    Reduction as Reduction,
     allreduce_partials as allreduce_partials,
     allreduce_sum as allreduce_sum,
     merge_partials as merge_partials,
