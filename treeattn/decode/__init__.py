@@ -1,5 +1,6 @@
 """Fused local attention with `(out, lse)`, tree decoding (Algorithm 3), the ring baseline."""
 
+from .._numerics import Layout as Layout
 from ..distributed import (
     ProcessConfig as ProcessConfig,
     check_devices as check_devices,
@@ -14,7 +15,6 @@ from ._cost_model import (
     DecodeCost as DecodeCost,
     cost_model as cost_model,
 )
-from .._numerics import Layout as Layout
 from ._flash import (
     flash_attention as flash_attention,
     flash_attention_reference as flash_attention_reference,
