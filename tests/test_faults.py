@@ -568,3 +568,31 @@ def test_layer_bad_masks(backend, bad, getkey):
         assert re.search(rf"{LAYER_Q},\s*{LAYER_KV}\b", message), message
     if bad == "dtype":
         assert "bool" in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Edge sizes and arguments found beside the reported ones
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla", "reference"])
+def test_no_keys_at_all_is_the_empty_partial(backend):
+    q = jnp.ones((2, 3, 4, 8))
+    k = v = jnp.ones((2, 0, 2, 8))
+    out, lse = decode.flash_attention(q, k, v, backend=backend)
+    assert out.shape == (2, 3, 4, 8) and lse.shape == (2, 3, 4)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+@pytest.mark.parametrize("block_size", [0, -3, True])
+def test_block_size_must_be_positive(block_size):
+    q, k = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 5, 2, 8))
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        decode.flash_attention(q, k, k, backend="xla", block_size=block_size)
+
+
+def test_merge_partials_names_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"merge_partials: .* \[\(2, 3\), \(2, 4\)\]"):
+        energy.merge_partials(jnp.ones((2, 3)), jnp.ones(2), jnp.ones((2, 4)), jnp.ones(2))
+    with pytest.raises(ValueError, match=r"lse_a \(2,\), lse_b \(3,\)"):
+        energy.merge_partials(None, jnp.ones(2), None, jnp.ones(3))

@@ -51,6 +51,13 @@ def merge_partials(
 
     **Returns:** `(out, lse)` of the union, in the dtypes of the inputs.
     """
+    batch = jnp.shape(lse_a)
+    outs = [jnp.shape(o) for o in (out_a, out_b) if o is not None]
+    if jnp.shape(lse_b) != batch or len(set(outs)) > 1 or any(o[:-1] != batch for o in outs):
+        raise ValueError(
+            "merge_partials: lse_a and lse_b must share one shape [*batch] and out_a, out_b one "
+            f"shape [*batch, d]; got lse_a {batch}, lse_b {jnp.shape(lse_b)}, outs {outs}"
+        )
     m = jnp.maximum(lse_a, lse_b)
     finite = jnp.isfinite(m)
     m_safe = jnp.where(finite, m, 0.0)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._numerics import Layout, default_scale
+from .._numerics import Layout, compute_dtype, default_scale
 from ._checks import check_decode, per_row, positions_per_row
 from ._reference import reference_forward
 from ._registry import Backend, forward_of, kernel_call, resolve
@@ -84,6 +84,8 @@ def flash_attention(
         kv_positions=kv_positions,
         scale=scale,
     )
+    if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
+        raise ValueError(f"{fn}: block_size must be a positive integer or None, got {block_size!r}")
     positions = positions_per_row(kv_positions, dims)
     call = kernel_call(
         dims,
@@ -128,6 +130,9 @@ def flash_attention(
 def run_kernel(name, q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block=None):
     """Kernel `name` on checked arguments: offsets and lengths int32 `[batch]`, positions int32
     `[batch, kv_seq]` or None, `scale` a float. Returns `(out, lse)` (see `flash_attention`)."""
+    if dims.kv_seq == 0:  # no key at all: the identity of the merge, by construction
+        out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
+        return out, jnp.full(out.shape[:-1], -jnp.inf, compute_dtype(q.dtype))
     # A traced negative length or offset sees no key / no earlier key: clipped, not refused.
     kv_length = jnp.maximum(kv_length, 0)
     with jax.named_scope(f"flash_attention_{name}"):

@@ -21,11 +21,9 @@ from jax import lax
 from .._numerics import (
     Dims,
     compute_dtype,
-    finite_rows,
     from_rows,
     lse_from_rows,
     lse_to_rows,
-    poison,
     rows_visibility,
     to_rows,
     visibility,
@@ -55,12 +53,12 @@ def _v_spec(dims: Dims) -> str:
     return "bkv" if dims.layout == "bshd" else "kbv"
 
 
-def _finite_block(kb, vb, dims: Dims):
-    """A block's K and V with non-finite rows zeroed, and those keys per kv head `[kh, b]`."""
-    kb, bad_k = finite_rows(kb)
-    vb, bad_v = finite_rows(vb)
-    bad = bad_k | bad_v
-    return kb, vb, (bad.T if dims.layout == "bshd" else bad)
+def _hide_unseen(x, vis, dims: Dims):
+    """A block of K or V with the keys no row sees set to 0 (`where`, not a 0 weight: an
+    unfilled cache slot may hold NaN, and 0 * NaN is NaN in the product)."""
+    seen = jnp.any(vis, axis=1)  # [#kv_heads, b]
+    seen = seen.T[..., None] if dims.layout == "bshd" else seen[..., None]
+    return jnp.where(seen, x, jnp.zeros((), x.dtype))
 
 
 def _block_visibility(dims: Dims, size, start, first, kv_pos, q_offset, kv_length, causal):
@@ -83,11 +81,13 @@ def _block_visibility(dims: Dims, size, start, first, kv_pos, q_offset, kv_lengt
     return vis
 
 
-def _block_partial(qr, kb, vb, visible, dims: Dims):
+def _block_partial(qr, kb, vb, visible, dims: Dims, *, hide: bool = True):
     """`(out, lse)` of one block of keys with one exponential pass, in the rows layout: out
-    normalised, lse the block's free energy; a row that sees no key gives (0, -inf)."""
-    kb, vb, bad = _finite_block(kb, vb, dims)
-    logits = poison(jnp.einsum(f"kmd,{_k_spec(dims)}->kmb", qr, kb), bad[:, None, :])
+    normalised, lse the block's free energy; a row that sees no key gives (0, -inf). With
+    `hide`, values no row sees are zeroed first (not needed when every key is seen)."""
+    if hide:
+        vb = _hide_unseen(vb, visible, dims)
+    logits = jnp.einsum(f"kmd,{_k_spec(dims)}->kmb", qr, kb)
     x = jnp.where(visible, logits, -jnp.inf)
     m = jnp.max(x, axis=-1, initial=-jnp.inf)
     finite = jnp.isfinite(m)
@@ -101,15 +101,28 @@ def _block_partial(qr, kb, vb, visible, dims: Dims):
 
 
 LOGITS_BUDGET = 1 << 24  # logits elements per block (64 MB in float32)
+MAX_BLOCK = 1024  # keys per block at most: a masked block stays in cache (measured best)
 
 
 def block_size(dims: Dims, block: int | None) -> int:
-    """Keys per block: `block`, or as many as keep one block's logits within LOGITS_BUDGET
-    (so a decode step over a shard of up to ~1M keys is one block: no loop, no slicing)."""
+    """Keys per block: `block`, or as many as keep one block's logits within LOGITS_BUDGET,
+    at most MAX_BLOCK. Blocks past the filled length are not visited, and only the keys of a
+    visited block are masked, so a partly filled cache costs what its filled part costs."""
     if block is not None:
         return max(1, min(block, dims.kv_seq))
     rows = dims.kv_heads * dims.rows
-    return max(1, min(dims.kv_seq, max(256, LOGITS_BUDGET // max(rows, 1))))
+    budget = max(256, min(MAX_BLOCK, LOGITS_BUDGET // max(rows, 1)))
+    return max(1, min(dims.kv_seq, budget))
+
+
+def _dense_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale):
+    """One batch row as one block (no loop), for a call in which every key is seen by some
+    query: all logits at once, nothing to mask out of the values."""
+    ct = compute_dtype(q.dtype)
+    qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
+    vis = _block_visibility(dims, dims.kv_seq, 0, 0, kv_pos, q_offset, kv_length, causal)
+    out, lse = _block_partial(qr, k.astype(ct), v.astype(ct), vis, dims, hide=False)
+    return from_rows(out, dims).astype(q.dtype), lse_from_rows(lse, dims)
 
 
 def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale, block):
@@ -148,11 +161,7 @@ def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale,
         jnp.full((dims.kv_heads, dims.rows), -jnp.inf, ct),
     )
     init = match_vma(init, q, k, v, q_offset, kv_length)
-    if size >= dims.kv_seq:  # one block: no loop, no merge
-        vis = _block_visibility(dims, size, 0, 0, kv_pos, q_offset, kv_length, causal)
-        out, lse = _block_partial(qr, k.astype(ct), v.astype(ct), vis, dims)
-    else:
-        out, lse = lax.fori_loop(0, n_blocks, body, init)
+    out, lse = lax.fori_loop(0, n_blocks, body, init)
     return from_rows(out, dims).astype(q.dtype), lse_from_rows(lse, dims)
 
 
@@ -163,20 +172,31 @@ def _empty(q, k, v, q_offset, kv_length, dims: Dims):
 
 
 def xla_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
-    """The portable kernel: blockwise online softmax, `(out, lse)` per block merged with
-    `merge_partials`; one block (no loop) when the logits fit LOGITS_BUDGET. A call whose rows
-    see no key at all (a shard past the filled part of a cache) does no work."""
-    row = functools.partial(
-        _xla_row, dims=dims, causal=causal, scale=scale, block=block_size(dims, block)
-    )
+    """The portable kernel. Three cases, chosen at run time:
+
+    - no row sees a key (a shard past the filled part of a cache): no work, `(0, -inf)`;
+    - every key is seen by some row and the logits fit LOGITS_BUDGET (a full cache, a
+      prefill): one block, all logits at once (XLA's matrix products, no loop);
+    - otherwise (a partly filled cache): an online softmax over blocks of keys, each block's
+      `(out, lse)` merged with `merge_partials`; blocks past the filled length are not visited
+      and the unfilled keys of the last one are masked out of the values (they may hold NaN).
+    """
+    kw = dict(dims=dims, causal=causal, scale=scale)
+    blocked = functools.partial(_xla_row, block=block_size(dims, block), **kw)
     limit = jnp.minimum(kv_length, q_offset + dims.q_seq) if causal else kv_length
     first_pos = 0 if kv_pos is None else jnp.min(kv_pos, axis=-1)
+    branches = [
+        lambda: _empty(q, k, v, q_offset, kv_length, dims),
+        lambda: jax.vmap(blocked)(q, k, v, q_offset, kv_length, kv_pos),
+    ]
+    case = jnp.where(jnp.any(first_pos < limit), 1, 0)
+    dense_fits = dims.kv_heads * dims.rows * dims.kv_seq <= LOGITS_BUDGET or block is not None
+    if kv_pos is None and dense_fits and (block is None or block >= dims.kv_seq):
+        dense = functools.partial(_dense_row, **kw)
+        branches.append(lambda: jax.vmap(dense)(q, k, v, q_offset, kv_length, kv_pos))
+        case = jnp.where(jnp.all(limit >= dims.kv_seq), 2, case)
     with jax.named_scope("flash_xla"):
-        return lax.cond(
-            jnp.any(first_pos < limit),
-            lambda: jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos),
-            lambda: _empty(q, k, v, q_offset, kv_length, dims),
-        )
+        return lax.switch(case, branches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,9 +241,9 @@ def _backward_row(
     ks, vs = _k_spec(dims), _v_spec(dims)
 
     def block_grads(kb, vb, start, first):
-        kb, vb, bad = _finite_block(kb, vb, dims)
         vis = _block_visibility(dims, size, start, first, kv_pos, q_offset, kv_length, causal)
-        logits = poison(jnp.einsum(f"kmd,{ks}->kmb", qr, kb), bad[:, None, :])
+        kb, vb = _hide_unseen(kb, vis, dims), _hide_unseen(vb, vis, dims)
+        logits = jnp.einsum(f"kmd,{ks}->kmb", qr, kb)
         p = jnp.where(vis, jnp.exp(logits - lse_safe[..., None]), 0.0)
         dp = jnp.einsum(f"kmv,{vs}->kmb", do, vb)
         dx = jnp.where(vis, p * (dp - delta[..., None]), 0.0)
