@@ -343,3 +343,13 @@ def test_training_through_energy_matches_reference(getkey):
     a, b = np.asarray(curves["energy"]), np.asarray(curves["reference"])
     assert b[-1] < b[0] - 0.5  # it learns
     np.testing.assert_allclose(a, b, rtol=1e-4)
+
+
+def test_attention_backend_kernel_choice():
+    """`kernel` takes a name or an ordered tuple; the former `flash_backend=x` means `(x, "auto")`."""
+    assert AttentionBackend("flash", flash_backend="pallas").kernel == ("pallas", "auto")
+    assert AttentionBackend("flash", flash_backend="auto").kernel == "auto"
+    assert AttentionBackend("flash", kernel=["pallas", "xla"]).kernel == ("pallas", "xla")
+    assert hash(AttentionBackend("flash", kernel=("pallas", "auto")))  # a static argument
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        AttentionBackend("fast")

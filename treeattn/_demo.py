@@ -239,9 +239,10 @@ def model_demo(new_tokens: int = 240) -> int:
     backends = {
         "reference": AttentionBackend("reference"),
         "energy (jax.grad of F)": AttentionBackend("energy"),
-        "flash / cpu kernel (C++)": AttentionBackend("flash", flash_backend="cpu"),
-        "flash / xla kernel": AttentionBackend("flash", flash_backend="xla"),
-        "flash / pallas (interpret)": AttentionBackend("flash", flash_backend="pallas"),
+        "flash / cpu kernel (C++)": AttentionBackend("flash", kernel="cpu"),
+        "flash / xla kernel": AttentionBackend("flash", kernel="xla"),
+        # The Pallas decode kernel takes one query per row: the prefill runs on "auto".
+        "flash / pallas (interpret)": AttentionBackend("flash", kernel=("pallas", "auto")),
         f"tree over {p} devices": tree,
     }
     steps_checked = {"flash / pallas (interpret)": 16}
