@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh
 from test_energy import TOL
@@ -24,7 +25,7 @@ from treeattn.profiling import collective_stats
 
 
 def mesh_of(p):
-    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def to_layout(x, layout):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from jax.sharding import Mesh, PartitionSpec as P
 
 from treeattn import decode, energy
@@ -32,7 +33,7 @@ MASK_HIDDEN = (3, 7, 12, 13)  # key slots the mask hides from every query and he
 
 
 def mesh_of(p):
-    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def hide(x, hidden, value):

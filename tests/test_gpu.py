@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from jax.sharding import Mesh
 from test_decode import check, make, np_decode
 from test_energy import TOL
@@ -316,7 +317,7 @@ def test_export_for_cuda_from_a_cpu_host():
 @pytest.mark.parametrize("backend", ["auto", "pallas", "xla", "cpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_tree_decode_lowers_for_cuda(backend, dtype):
-    mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
+    mesh = Mesh(np.array(devices(4)), ("kv",))
     args = (
         S((2, 1, 8, 80), dtype),
         S((2, 2, 512, 80), dtype),
@@ -352,7 +353,7 @@ def test_model_decode_step_lowers_for_cuda(path, dtype, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("equinox._errors"), "EQX_ON_ERROR", "nan")
 
-    mesh = Mesh(np.array(jax.devices()[:2]), ("kv",)) if path == "tree" else None
+    mesh = Mesh(np.array(devices(2)), ("kv",)) if path == "tree" else None
     backend = AttentionBackend(path, mesh=mesh, kv_axis="kv" if mesh else None)
     config = LlamaConfig(
         vocab_size=72,
@@ -554,7 +555,7 @@ def test_empty_shards_give_zero_and_minus_inf(getkey):
         )
         np.testing.assert_array_equal(out, 0.0)
         assert np.all(np.isneginf(lse))
-    mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
+    mesh = Mesh(np.array(devices(4)), ("kv",))
     k = jnp.where(jnp.arange(64)[None, :, None, None] >= 10, jnp.nan, k)  # unfilled slots: NaN
     out = tree_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_length=10, backend="pallas")
     assert ref.rel_err(out, np_decode(q, k[:, :10], v[:, :10], 10)[0]) <= TOL[jnp.float32]
