@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh clone:
 #   make demo   — the main job
 #   make test   — the test suite
+#   make test-gpu — the test suite on a machine with CUDA GPUs (see docs/gpu.md)
 # Each creates and fills its own virtual environment when it is missing.
 #
 # JAX=<version> selects the jax/jaxlib release (default: the newest on the index); CI runs the
@@ -20,7 +21,7 @@ endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test test-gpu lint docs bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +34,21 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+
+# The GPU profile (on a machine with CUDA GPUs): JAX's GPU backend instead of 8 simulated CPU
+# devices, and the GPU kernels (Pallas compiled through Triton, cuDNN, flash-attn-jax) against
+# float64 NumPy. flash-attn-jax caps jax below 0.9, so this environment has its own venv.
+GPU_VENV := .venv-gpu
+
+$(GPU_VENV)/.installed: pyproject.toml
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install --quiet -e ".[test,cuda]"
+	@touch $@
+
+test-gpu: $(GPU_VENV)/.installed
+	TREEATTN_TEST_PLATFORM=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+		$(GPU_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check treeattn tests benchmarks examples
@@ -52,4 +68,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/cost_model.py --measure
 
 clean:
-	rm -rf .venv .venv-jax* site
+	rm -rf .venv .venv-jax* .venv-gpu site

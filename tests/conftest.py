@@ -1,11 +1,22 @@
-"""Test configuration: strict dtype promotion, 8 simulated CPU devices, seeded keys."""
+"""Test configuration: strict dtype promotion, 8 simulated CPU devices, seeded keys.
+
+`TREEATTN_TEST_PLATFORM` picks the profile: `cpu` (the default; JAX is confined to the CPU,
+with 8 simulated devices) or `cuda` (`make test-gpu`: JAX's default backend, the GPUs; the
+CPU backend keeps its 8 devices for host-side code). In the GPU profile, tests that need more
+devices than the host has, and tests of the XLA:CPU kernel or of CPU multi-process runs, are
+skipped with the reason; tests/test_gpu.py runs the GPU kernels against float64 NumPy.
+"""
 
 import os
 import random
 
 
+PLATFORM = os.environ.get("TREEATTN_TEST_PLATFORM", "cpu")
+if PLATFORM not in ("cpu", "cuda"):
+    raise ValueError(f"TREEATTN_TEST_PLATFORM must be 'cpu' or 'cuda', got {PLATFORM!r}")
 # The simulated device count must be set before JAX initialises its backends.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if PLATFORM == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -19,6 +30,28 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 settings.register_profile("default", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# What runs only on XLA:CPU, or as several CPU processes on one machine.
+CPU_ONLY_MODULES = ("test_native.py", "test_multihost.py")
+CPU_ONLY_NAMES = ("cpu_kernel",)
+
+
+def devices(p: int) -> list:
+    """The first `p` devices of the default backend; skips the test when there are fewer (a
+    GPU host has as many as it has GPUs, the CPU profile simulates 8)."""
+    available = jax.devices()
+    if len(available) < p:
+        pytest.skip(f"needs {p} devices, the {PLATFORM} profile has {len(available)}")
+    return available[:p]
+
+
+def pytest_collection_modifyitems(config, items):
+    if PLATFORM == "cpu":
+        return
+    skip = pytest.mark.skip(reason="tests the XLA:CPU kernel or CPU processes (CPU profile)")
+    for item in items:
+        if item.path.name in CPU_ONLY_MODULES or any(n in item.name for n in CPU_ONLY_NAMES):
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh
 from test_energy import TOL
@@ -24,7 +25,7 @@ from treeattn.profiling import collective_stats
 
 
 def mesh_of(p):
-    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def to_layout(x, layout):
@@ -293,19 +294,22 @@ def test_tree_and_ring_communication(p):
 def test_backend_selection_on_this_machine(getkey):
     q, k, v = make(getkey, 1, 1, 4, 2, 16, 8, dtype=jnp.bfloat16)
     from treeattn.decode._checks import check_decode
+    from treeattn.decode._registry import host_platform
 
     dims = check_decode("t", q, k, v, kv_layout="bshd")
     kw = dict(causal=False, has_length=False, q_offset=0)
-    on_gpu = jax.default_backend() == "gpu"
-    assert select_backend("auto", dims, q.dtype, **kw) == ("flash_attn_jax" if on_gpu else "cpu")
-    # Prefill-sized rows (group * q_seq > CPU_MAX_ROWS) go to the blockwise XLA kernel.
     long = check_decode("t", jnp.zeros((1, 9, 4, 8), q.dtype), k, v, kv_layout="bshd")
-    assert select_backend("auto", long, q.dtype, **kw) == ("flash_attn_jax" if on_gpu else "xla")
-    if not on_gpu:
-        with pytest.raises(BackendUnavailable, match=r"flash_attn_jax.*needs a GPU"):
+    if host_platform() == "cpu":
+        assert select_backend("auto", dims, q.dtype, **kw) == "cpu"
+        # Prefill-sized rows (group * q_seq > CPU_MAX_ROWS) go to the blockwise XLA kernel.
+        assert select_backend("auto", long, q.dtype, **kw) == "xla"
+        with pytest.raises(BackendUnavailable, match=r"flash_attn_jax.*on cpu: it is a CUDA"):
             flash_attention(q, k, v, backend="flash_attn_jax")
-        with pytest.raises(BackendUnavailable, match=r"cudnn.*needs a GPU"):
+        with pytest.raises(BackendUnavailable, match=r"cudnn.*on cpu: it is a cuDNN custom call"):
             flash_attention(q, k, v, backend="cudnn")
+    # Whatever the host, the choice for another lowering platform can be asked for.
+    assert select_backend("auto", dims, q.dtype, **kw, platform="rocm") == "xla"
+    assert select_backend("auto", long, q.dtype, **kw, platform="tpu") == "xla"
     with pytest.raises(BackendUnavailable, match=r"pallas.*one query per row \(q_seq=2\)"):
         flash_attention(jnp.concatenate([q, q], 1), k, v, backend="pallas")
     with pytest.raises(ValueError, match=r"backend must be one of"):

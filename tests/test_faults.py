@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from jax.sharding import Mesh, PartitionSpec as P
 
 from treeattn import decode, energy
@@ -32,7 +33,7 @@ MASK_HIDDEN = (3, 7, 12, 13)  # key slots the mask hides from every query and he
 
 
 def mesh_of(p):
-    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def hide(x, hidden, value):
@@ -444,20 +445,22 @@ def test_array_scale_error_names_scale(fn, getkey):
 
 
 def test_value_dim_other_than_head_dim(getkey):
-    """The Pallas decode kernel needs dv == qk: it says so; "auto" runs another kernel."""
+    """flash-attn-jax needs dv == qk: it says so, naming both; the Pallas decode kernel pads
+    both to one power of two and serves it, as "auto" does with another kernel."""
     qk, dv = 16, 12
     q, k, v = decode_problem(getkey, qk=qk, dv=dv, kv_seq=32)
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     with pytest.raises(decode.BackendUnavailable) as info:
-        decode.flash_attention(q, k, v, backend="pallas")
+        decode.flash_attention(*half, backend="flash_attn_jax")
     message = str(info.value)
-    assert "pallas" in message and re.search(rf"\b{qk}\b", message), message
-    assert re.search(rf"\b{dv}\b", message), message
+    assert "flash_attn_jax" in message and re.search(rf"\bqk={qk}, dv={dv}\b", message), message
     kv_length = jnp.asarray([32, 9])
-    out, lse = decode.flash_attention(q, k, v, kv_length=kv_length, backend="auto")
     exp_out, exp_lse = np_flash(q, k, v, [32, 9])
-    assert out.shape == (B, 1, H, dv)
-    assert ref.rel_err(out, exp_out) <= TOL32
-    np.testing.assert_allclose(lse, exp_lse, rtol=1e-5, atol=1e-5)
+    for backend in ("auto", "pallas"):
+        out, lse = decode.flash_attention(q, k, v, kv_length=kv_length, backend=backend)
+        assert out.shape == (B, 1, H, dv)
+        assert ref.rel_err(out, exp_out) <= TOL32
+        np.testing.assert_allclose(lse, exp_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_axis_name_is_named(getkey):

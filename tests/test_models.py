@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from jax.sharding import Mesh
 
 from treeattn.models import (
@@ -26,7 +27,7 @@ from treeattn.models import (
 
 
 def mesh_of(p):
-    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def tree(p):

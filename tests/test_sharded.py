@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from conftest import devices
 from hypothesis import given, strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 from test_energy import TOL, make_masking, make_qkv, np_kw
@@ -26,11 +27,11 @@ from treeattn.profiling import collective_stats
 
 
 def mesh_of(p: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[:p]), ("kv",))
+    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def two_level_mesh(nodes: int, local: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[: nodes * local]).reshape(nodes, local), ("node", "local"))
+    return Mesh(np.array(devices(nodes * local)).reshape(nodes, local), ("node", "local"))
 
 
 SCHEDULES = [(p, "allreduce") for p in (1, 2, 3, 4, 8)] + [

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import devices
 from jax.sharding import Mesh
 
 from treeattn.models import (
@@ -118,7 +119,7 @@ def test_shipped_checkpoint_generates_the_same_on_every_backend():
     model = Transformer.from_pretrained(path)
     tokenizer = CharTokenizer.load(path)
     prompt = jnp.asarray(tokenizer.encode("When I do count the clock"))
-    mesh = Mesh(np.array(jax.devices()[:4]), ("kv",))
+    mesh = Mesh(np.array(devices(4)), ("kv",))
     tree = AttentionBackend("tree", mesh=mesh, kv_axis="kv")
     outs = [
         generate(model, prompt, max_new_tokens=64, backend=be)

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 from .._numerics import Layout, compute_dtype, default_scale
 from ._checks import check_decode, per_row, positions_per_row
 from ._reference import reference_forward
-from ._registry import Backend, forward_of, kernel_call, resolve
+from ._registry import Backend, Choice, dispatch, kernel_call, resolve
 from ._xla import fused
 
 
@@ -95,7 +95,7 @@ def flash_attention(
         q_offset=q_offset,
         has_positions=positions is not None,
     )
-    name = resolve(fn, backend, call)
+    choice = resolve(fn, backend, call)
     s = default_scale(dims.qk, scale)
     offsets = per_row(q_offset, dims.batch, 0)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
@@ -103,7 +103,7 @@ def flash_attention(
         lengths = jnp.minimum(lengths, dims.kv_seq)
     try:
         return run_kernel(
-            name,
+            choice,
             q,
             k,
             v,
@@ -120,27 +120,32 @@ def flash_attention(
             raise
         raise TypeError(
             f"{fn}: forward-mode differentiation (jax.jvp, jax.jacfwd) is not defined for the "
-            f"fused kernels (backend {name!r}), whose gradient is a custom VJP; use reverse mode "
-            "(jax.grad, jax.vjp, jax.jacrev), or backend='reference', which JAX differentiates "
-            "in either mode"
+            f"fused kernels ({'/'.join(sorted({n for _, n in choice.kernels}))}), whose gradient "
+            "is a custom VJP; use reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
+            "backend='reference', which JAX differentiates in either mode"
         ) from e
 
 
-@functools.partial(jax.jit, static_argnames=("name", "dims", "causal", "scale", "block"))
-def run_kernel(name, q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block=None):
-    """Kernel `name` on checked arguments: offsets and lengths int32 `[batch]`, positions int32
-    `[batch, kv_seq]` or None, `scale` a float. Returns `(out, lse)` (see `flash_attention`)."""
+@functools.partial(jax.jit, static_argnames=("choice", "dims", "causal", "scale", "block"))
+def run_kernel(
+    choice: Choice, q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block=None
+):
+    """The kernels of `choice` (one per lowering platform, picked when the program is lowered)
+    on checked arguments: offsets and lengths int32 `[batch]`, positions int32
+    `[batch, kv_seq]` or None, `scale` a float. Returns `(out, lse)` (see `flash_attention`).
+    Lowering for a platform where `choice` has no kernel raises `BackendUnavailable`."""
     if dims.kv_seq == 0:  # no key at all: the identity of the merge, by construction
         out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
         return out, jnp.full(out.shape[:-1], -jnp.inf, compute_dtype(q.dtype))
     # A traced negative length or offset sees no key / no earlier key: clipped, not refused.
     kv_length = jnp.maximum(kv_length, 0)
-    with jax.named_scope(f"flash_attention_{name}"):
-        forward = forward_of(name)
-        if forward is None:
+    names = {name for _, name in choice.kernels}
+    with jax.named_scope("flash_attention_" + "_".join(sorted(names))):
+        if names == {"reference"} and not choice.refusals:
             return reference_forward(
                 q, k, v, q_offset, kv_length, kv_pos, dims=dims, causal=causal, scale=scale
             )
+        forward = dispatch(choice)
         return fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block)
 
 

@@ -16,7 +16,7 @@ from .._numerics import Dims, Layout
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_decode, per_row, positions_per_row
-from ._registry import Backend, kernel_call, resolve
+from ._registry import Backend, Choice, kernel_call, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class DecodePlan:
     sharding: SequenceSharding
     dims: Dims  # of one shard
     causal: bool
-    kernel: str  # resolved for one shard
+    kernel: Choice  # resolved for one shard, per lowering platform
     positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
 
     @property

@@ -10,6 +10,7 @@ free energy at $\zeta = 0$ of the keys each row sees (`-inf` for none).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -306,7 +307,11 @@ def _fused_bwd(forward, dims, causal, scale, block, res, cts):
     q, k, v, q_offset, kv_length, kv_pos, out, lse = res
     d_out, d_lse = cts
     row = functools.partial(_backward_row, dims=dims, causal=causal, scale=scale, block=block)
-    dq, dk, dv = jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos, out, lse, d_out, d_lse)
+    # On GPUs float32 dots default to TF32 (~1e-3 relative); the backward of float32 inputs
+    # asks for full precision (XLA:CPU computes float32 dots in full precision either way).
+    precise = jnp.dtype(q.dtype).itemsize >= 4
+    with jax.default_matmul_precision("highest") if precise else contextlib.nullcontext():
+        dq, dk, dv = jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos, out, lse, d_out, d_lse)
 
     def no_cotangent(x):
         return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
