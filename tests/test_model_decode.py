@@ -84,7 +84,9 @@ def test_a_stacked_model_copies_its_weights_not_its_cache():
     for name, model in (("stacked", stacked), ("unstacked", unstacked)):
         cache = model.init_cache(MAX_LEN, layout="bhsd")
         temps[name] = compiled_step(model, cache, "flash").memory_analysis().temp_size_in_bytes
-    layer_weights = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(unstacked.layers[0], eqx.is_array)))
+    layer_weights = sum(
+        x.nbytes for x in jax.tree.leaves(eqx.filter(unstacked.layers[0], eqx.is_array))
+    )
     assert temps["stacked"] >= layer_weights
     assert temps["unstacked"] < layer_weights / 4
 
@@ -152,7 +154,9 @@ def test_batched_prompts_of_different_lengths(backend, getkey):
         rows, mask = [], []
         for p in prompts:
             fill = [pad] * (width - len(p))
-            rows.append(fill + list(np.asarray(p)) if side == "left" else list(np.asarray(p)) + fill)
+            rows.append(
+                fill + list(np.asarray(p)) if side == "left" else list(np.asarray(p)) + fill
+            )
             ones = [1] * len(p)
             mask.append([0] * len(fill) + ones if side == "left" else ones + [0] * len(fill))
         batch = generate(
@@ -174,8 +178,12 @@ def test_attention_mask_is_checked():
     with pytest.raises(ValueError, match=r"attention_mask must have the prompt's shape \(2, 4\)"):
         generate(model, prompts, attention_mask=jnp.ones((2, 3)), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"attention_mask rows \[1\] hold no prompt token"):
-        generate(model, prompts, attention_mask=jnp.asarray([[1, 1, 0, 0], [0, 0, 0, 0]]),
-                 max_new_tokens=2)
+        generate(
+            model,
+            prompts,
+            attention_mask=jnp.asarray([[1, 1, 0, 0], [0, 0, 0, 0]]),
+            max_new_tokens=2,
+        )
 
 
 def test_a_model_cache_appends_through_its_layers():

@@ -364,6 +364,7 @@ class MultiheadAttention(eqx.Module):
                     "keys are masked by the filled length and, if causal, by position)"
                 )
             new_cache = cache.append(k, v)
+            assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
             positions = None if cache.devices == 1 else jnp.asarray(cache.positions(), jnp.int32)
             attn = attend(

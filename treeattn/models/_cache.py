@@ -55,8 +55,8 @@ class KVCache(eqx.Module):
     (`length > max_len` flags the overflow) and `Transformer` returns NaN logits.
     """
 
-    k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, "..."], ...]
-    v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, "..."], ...]
+    k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, ...], ...]
+    v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, ...], ...]
     length: Int[Array, "*batch"]
     devices: int = eqx.field(static=True, default=1)
     block: int = eqx.field(static=True, default=1)
@@ -144,7 +144,9 @@ class KVCache(eqx.Module):
     def with_layers(self, layers: Sequence[KVCache]) -> KVCache:
         """A model's cache from its updated layers (each advanced by the same tokens)."""
         if len(layers) != self.layers:
-            raise ValueError(f"KVCache.with_layers: {len(layers)} layers for a cache of {self.layers}")
+            raise ValueError(
+                f"KVCache.with_layers: {len(layers)} layers for a cache of {self.layers}"
+            )
         k = tuple(c.k for c in layers)
         v = tuple(c.v for c in layers)
         return dataclasses.replace(self, k=k, v=v, length=layers[-1].length)
@@ -265,5 +267,3 @@ def remember(cache: KVCache, length: int | None) -> None:
     """Record the length `reserve` promised for the cache a call returned."""
     if length is not None:
         _remember(cache.length, length)
-
-
