@@ -71,8 +71,10 @@ class Transformer(eqx.Module):
     """A Llama-family decoder-only language model.
 
     The `num_hidden_layers` blocks are stored stacked (every array has a leading layer axis)
-    and run with `lax.scan`, so compile time does not grow with depth. Unbatched: `tokens[seq]`;
-    batch with `jax.vmap`.
+    and, without a cache, run with `lax.scan`, so compile time does not grow with depth. With a
+    cache the layers run one after another, each updating its own cache buffer in place (see
+    `KVCache`); `unstack_layers()` gives each layer its own arrays too, which a decode step
+    needs to read each weight once. Unbatched: `tokens[seq]`; batch with `jax.vmap`.
 
     ```python
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -287,7 +289,7 @@ class Transformer(eqx.Module):
         """
         from ._hf import save_pretrained
 
-        save_pretrained(self, path)
+        save_pretrained(self.stack_layers(), path)
 
 
 def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:
