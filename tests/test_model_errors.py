@@ -351,7 +351,7 @@ OVERFLOW_ON_TWO_DEVICES = textwrap.dedent(
     for tokens in (jnp.arange(3), jnp.arange(1), jnp.arange(2)):
         logits, cache = step(model, tokens, cache)
         jax.block_until_ready(logits)
-        print("traced", int(cache.length[0]), bool(jnp.isnan(logits).all()))
+        print("traced", int(cache.length), bool(jnp.isnan(logits).all()))
     """
 )
 

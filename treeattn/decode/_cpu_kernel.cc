@@ -13,6 +13,7 @@
 // thread pool through an atomic counter; the caller never waits for an item nobody started,
 // so a saturated pool cannot deadlock it.
 
+#include <array>
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -241,9 +242,22 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                                        std::string(layout));
   }
   const bool bhsd = layout == "bhsd";
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument("treeattn_cpu_decode: q, k, v must have rank 4");
+  const auto qd = q.dimensions();
+  // K and V of one batch row may come without their unit batch axis (rank 3): then the
+  // operand is the cache buffer itself, not a reshape of it, which lets XLA update the cache
+  // in place right before this call (a reshaped operand makes it copy the whole cache).
+  auto with_batch = [](auto dims) {
+    std::array<int64_t, 4> out{1, 0, 0, 0};
+    const size_t skip = dims.size() == 3 ? 1 : 0;
+    for (size_t i = 0; i < dims.size() && i + skip < 4; ++i) out[i + skip] = dims[i];
+    return out;
+  };
+  const auto kd = with_batch(k.dimensions()), vd = with_batch(v.dimensions());
+  const bool rank3 = k.dimensions().size() == 3 && v.dimensions().size() == 3 && qd.size() == 4 &&
+                     qd[0] == 1;
+  if (qd.size() != 4 || !(rank3 || (k.dimensions().size() == 4 && v.dimensions().size() == 4))) {
+    return ffi::Error::InvalidArgument(
+        "treeattn_cpu_decode: q must have rank 4, k and v rank 4 (or rank 3 for batch 1)");
   }
   Dims d{qd[0], qd[1], qd[2], qd[3], bhsd ? kd[1] : kd[2], bhsd ? kd[2] : kd[1], vd[3],
          bhsd,  causal, has_pos, scale};

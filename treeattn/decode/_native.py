@@ -345,6 +345,11 @@ def _ffi(q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos
         jax.ShapeDtypeStruct((batch, q_seq, heads, v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((batch, heads, q_seq), jnp.float32),
     )
+    if batch == 1 and k.ndim == 4 and v.ndim == 4:
+        # One row: K and V go without the batch axis. When they are a cache buffer with a unit
+        # axis added by the caller, the two reshapes cancel and the kernel reads the buffer
+        # itself, so XLA can update it in place just before (see `_cpu_kernel.cc`).
+        k, v = k[0], v[0]
     return jax.ffi.ffi_call(TARGET, out_types)(
         q,
         k,

@@ -69,6 +69,17 @@ def as_backend(backend, mesh=None, kv_axis=None) -> AttentionBackend:
     return AttentionBackend(name=backend, mesh=mesh, kv_axis=kv_axis)
 
 
+def cache_layout(backend: AttentionBackend) -> Layout:
+    """The cache layout `backend` reads where it lies: `"bshd"` for `"energy"` and
+    `"reference"` (their matrix products take `[kv, kv_heads, d]`) and for the fused GPU kernels
+    (cuDNN, flash-attn and Pallas take `[batch, seq, kv_heads, d]`; a head-major cache would be
+    transposed in full on every step); head-major `"bhsd"` for the fused kernels on CPU, which
+    stream it at memory speed."""
+    if backend.name in ("energy", "reference") or jax.default_backend() == "gpu":
+        return "bshd"
+    return "bhsd"
+
+
 def check_layer_mask(mask, q_seq: int, kv_seq: int, heads: int) -> None:
     """A layer's `mask`: boolean `[q_seq, kv_seq]` or `[num_heads, q_seq, kv_seq]`."""
     if mask is None:
@@ -353,6 +364,7 @@ class MultiheadAttention(eqx.Module):
                     "keys are masked by the filled length and, if causal, by position)"
                 )
             new_cache = cache.append(k, v)
+            assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
             positions = None if cache.devices == 1 else jnp.asarray(cache.positions(), jnp.int32)
             attn = attend(

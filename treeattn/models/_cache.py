@@ -1,8 +1,11 @@
-"""The KV cache: a fixed-size pytree, head-major, optionally sharded round-robin over devices."""
+"""The KV cache: a fixed-size pytree, one buffer per layer, head-major or sequence-major,
+optionally sharded round-robin over devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -12,17 +15,29 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from .._numerics import Layout
+from .._numerics import LAYOUTS, Layout
 from .._sharding import SequenceSharding
 
 
 class KVCache(eqx.Module):
     """Keys and values of the tokens seen so far, preallocated to `max_len` slots.
 
-    Stored head-major, `k[..., kv_heads, max_len, qk]` (the layout that streams at memory speed
-    in a decode step), with any leading axes (one per layer when a model stacks its layers).
-    `length` is the number of tokens written. A cache is passed into a layer and returned
-    updated, never mutated; its shapes never change, so a decode step never recompiles.
+    **Layout.** `layout="bhsd"` (the default) stores them head-major, `k[..., kv_heads,
+    max_len, qk]`: the layout a decode step streams at memory speed on CPU (the `"cpu"` and
+    `"xla"` kernels). `layout="bshd"` stores `k[..., max_len, kv_heads, qk]`: the layout of
+    `jax.nn.dot_product_attention`, cuDNN and flash-attn, and of the `"energy"` and
+    `"reference"` backends, which would otherwise transpose a head-major cache on every call.
+    Leading axes are batch axes (`generate` adds one per prompt under `jax.vmap`). A cache is
+    passed into a layer and returned updated, never mutated; its shapes never change, so a
+    decode step never recompiles.
+
+    **One buffer per layer.** A model's cache (`KVCache.create(..., layers=n)`,
+    `Transformer.init_cache`) holds `k` and `v` as tuples of `n` separate arrays and one
+    `length` shared by the layers; `cache.layer(i)` is layer i's cache (no copy) and
+    `cache.with_layers(...)` puts the updated layers back. Separate buffers, not one array
+    with a layer axis: XLA materialises a slice of a stacked array before a matrix product or
+    a kernel reads it, which would copy every layer's cache on every step; a buffer of its own
+    is updated in place (`dynamic_update_slice` on the donated cache) and read where it lies.
 
     **Sharded caches.** With `devices = p > 1`, the slots are split into p contiguous shards
     (one per device along the mesh axis) and tokens are appended round-robin in blocks of
@@ -40,11 +55,12 @@ class KVCache(eqx.Module):
     (`length > max_len` flags the overflow) and `Transformer` returns NaN logits.
     """
 
-    k: Float[Array, "*layers kv_heads max_len qk"]
-    v: Float[Array, "*layers kv_heads max_len vo"]
-    length: Int[Array, "*layers"]
+    k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, ...], ...]
+    v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, ...], ...]
+    length: Int[Array, "*batch"]
     devices: int = eqx.field(static=True, default=1)
     block: int = eqx.field(static=True, default=1)
+    layout: Layout = eqx.field(static=True, default="bhsd")
 
     @classmethod
     def create(
@@ -59,11 +75,17 @@ class KVCache(eqx.Module):
         mesh: Mesh | None = None,
         kv_axis: str | tuple[str, ...] | None = None,
         block: int = 16,
+        layout: Layout = "bhsd",
     ) -> KVCache:
-        """An empty cache. With `mesh` and `kv_axis`, the slots are sharded over that axis and
-        `max_len` is rounded up to a multiple of `devices * block`."""
+        """An empty cache: one layer's, or with `layers=n` a model's (`n` buffers, one
+        length). `layout` is `"bhsd"` (head-major) or `"bshd"`. With `mesh` and `kv_axis`, the
+        slots are sharded over that axis and `max_len` is rounded up to a multiple of
+        `devices * block`."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"KVCache.create: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layers is not None and layers < 1:
+            raise ValueError(f"KVCache.create: layers must be at least 1, got {layers}")
         vo = qk if vo is None else vo
-        lead = () if layers is None else (layers,)
         devices = 1
         if mesh is not None and kv_axis is not None:
             devices = SequenceSharding.create("KVCache.create", mesh, kv_axis).devices
@@ -71,25 +93,63 @@ class KVCache(eqx.Module):
             max_len = -(-max_len // (devices * block)) * devices * block
         else:
             block = max_len
-        k = jnp.zeros((*lead, kv_heads, max_len, qk), dtype)
-        v = jnp.zeros((*lead, kv_heads, max_len, vo), dtype)
-        length = jnp.zeros(lead, jnp.int32)
-        if devices > 1:
-            assert mesh is not None and kv_axis is not None
-            spec = P(*([None] * (len(lead) + 1)), kv_axis, None)
-            k = jax.device_put(k, NamedSharding(mesh, spec))
-            v = jax.device_put(v, NamedSharding(mesh, spec))
+
+        def shape(d):
+            return (kv_heads, max_len, d) if layout == "bhsd" else (max_len, kv_heads, d)
+
+        def buffer(d):
+            x = jnp.zeros(shape(d), dtype)
+            if devices > 1:
+                assert mesh is not None and kv_axis is not None
+                spec = P(None, kv_axis, None) if layout == "bhsd" else P(kv_axis, None, None)
+                x = jax.device_put(x, NamedSharding(mesh, spec))
+            return x
+
+        if layers is None:
+            k, v = buffer(qk), buffer(vo)
+        else:
+            k = tuple(buffer(qk) for _ in range(layers))
+            v = tuple(buffer(vo) for _ in range(layers))
+        length = jnp.zeros((), jnp.int32)
         _remember(length, 0)
-        return cls(k=k, v=v, length=length, devices=devices, block=block)
+        return cls(k=k, v=v, length=length, devices=devices, block=block, layout=layout)
 
     @property
-    def layout(self) -> Layout:
-        """How K and V are stored: head-major, `"bhsd"` (`[..., kv_heads, max_len, d]`)."""
-        return "bhsd"
+    def layers(self) -> int | None:
+        """The number of layers of a model's cache; `None` for one layer's."""
+        return len(self.k) if isinstance(self.k, tuple) else None
+
+    @property
+    def seq_axis(self) -> int:
+        """The slot axis of K and V, counted from the end."""
+        return -2 if self.layout == "bhsd" else -3
+
+    def _first(self) -> Array:
+        return self.k[0] if isinstance(self.k, tuple) else self.k
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[-2]
+        return self._first().shape[self.seq_axis]
+
+    @property
+    def dtype(self):
+        return self._first().dtype
+
+    def layer(self, i: int) -> KVCache:
+        """Layer `i` of a model's cache: its own buffers (not a copy) and the shared length."""
+        if not isinstance(self.k, tuple) or not isinstance(self.v, tuple):
+            raise ValueError("KVCache.layer: this is one layer's cache (created without layers=)")
+        return dataclasses.replace(self, k=self.k[i], v=self.v[i])
+
+    def with_layers(self, layers: Sequence[KVCache]) -> KVCache:
+        """A model's cache from its updated layers (each advanced by the same tokens)."""
+        if len(layers) != self.layers:
+            raise ValueError(
+                f"KVCache.with_layers: {len(layers)} layers for a cache of {self.layers}"
+            )
+        k = tuple(c.k for c in layers)
+        v = tuple(c.v for c in layers)
+        return dataclasses.replace(self, k=k, v=v, length=layers[-1].length)
 
     def slots(self, positions: Int[Array, " n"]) -> Int[Array, " n"]:
         """The slot holding each token position."""
@@ -108,14 +168,22 @@ class KVCache(eqx.Module):
         return ((j // b) * p + d) * b + j % b
 
     def append(self, k: Float[Array, "n kv_heads qk"], v: Float[Array, "n kv_heads vo"]) -> KVCache:
-        """Write `n` new tokens after the `length` already cached. Writing past `max_len`
-        never wraps around: see "Overflow" above. Shapes are checked before anything runs."""
-        heads, qk, vo = self.k.shape[-3], self.k.shape[-1], self.v.shape[-1]
+        """Write `n` new tokens after the `length` already cached (one layer's cache; a
+        model's appends through `layer(i)`). Writing past `max_len` never wraps around: see
+        "Overflow" above. Shapes are checked before anything runs."""
+        if isinstance(self.k, tuple) or isinstance(self.v, tuple):
+            raise ValueError(
+                f"KVCache.append: this cache holds {self.layers} layers; append to "
+                "cache.layer(i) and put the layers back with cache.with_layers(...)"
+            )
+        axis = self.k.ndim + self.seq_axis
+        heads = self.k.shape[-3 if self.layout == "bhsd" else -2]
+        qk, vo = self.k.shape[-1], self.v.shape[-1]
         if k.ndim != 3 or v.ndim != 3 or k.shape[1:] != (heads, qk) or v.shape[1:] != (heads, vo):
             raise ValueError(
                 f"KVCache.append: k{tuple(k.shape)} and v{tuple(v.shape)} must be "
                 f"[n, kv_heads={heads}, {qk}] and [n, kv_heads={heads}, {vo}] for this cache "
-                f"(k{tuple(self.k.shape)}, v{tuple(self.v.shape)}, head-major)"
+                f"(k{tuple(self.k.shape)}, v{tuple(self.v.shape)}, {self.layout})"
             )
         n = k.shape[0]
         if v.shape[0] != n:
@@ -123,32 +191,34 @@ class KVCache(eqx.Module):
         if n > self.max_len:
             raise ValueError(_overflow_message(n, None, self.max_len))
         overflow = self.length + n > self.max_len
-        k = jnp.swapaxes(k, 0, 1).astype(self.k.dtype)  # head-major, as stored
-        v = jnp.swapaxes(v, 0, 1).astype(self.v.dtype)
+        if self.layout == "bhsd":
+            k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # the new tokens only
+        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
         if self.devices == 1:
             length = eqx.error_if(self.length, overflow, _overflow_message(n, None, self.max_len))
-            # The new tokens take consecutive slots: a slice update. (Under generate's vmap
-            # JAX lowers this to a scatter as well, one with in-bounds, non-overlapping
-            # indices.)
-            new_k = _write(self.k, k, length)
-            new_v = _write(self.v, v, length)
+            # The new tokens take consecutive slots: a slice update, in place when the cache
+            # is donated or carried by a loop. (Under vmap with per-row lengths JAX lowers it
+            # to a scatter with in-bounds, non-overlapping indices, also in place.)
+            new_k = jax.lax.dynamic_update_slice_in_dim(self.k, k, length, axis)
+            new_v = jax.lax.dynamic_update_slice_in_dim(self.v, v, length, axis)
         elif n == 1:
             # On overflow the slot computed would belong to another position: write back
             # what it holds instead (a one-token read, not a pass over the cache).
             start = self.slots(self.length)
-            axis = self.k.ndim - 2
             k = jnp.where(overflow, jax.lax.dynamic_slice_in_dim(self.k, start, 1, axis), k)
             v = jnp.where(overflow, jax.lax.dynamic_slice_in_dim(self.v, start, 1, axis), v)
-            new_k = _write(self.k, k, start)
-            new_v = _write(self.v, v, start)
+            new_k = jax.lax.dynamic_update_slice_in_dim(self.k, k, start, axis)
+            new_v = jax.lax.dynamic_update_slice_in_dim(self.v, v, start, axis)
         else:
             slots = self.slots(self.length + jnp.arange(n, dtype=jnp.int32))
             slots = jnp.where(overflow, self.max_len, slots)  # out of bounds: dropped
-            new_k = self.k.at[..., slots, :].set(k, mode="drop")
-            new_v = self.v.at[..., slots, :].set(v, mode="drop")
-        return KVCache(
-            k=new_k, v=new_v, length=self.length + n, devices=self.devices, block=self.block
-        )
+            if self.layout == "bhsd":
+                new_k = self.k.at[..., slots, :].set(k, mode="drop")
+                new_v = self.v.at[..., slots, :].set(v, mode="drop")
+            else:
+                new_k = self.k.at[..., slots, :, :].set(k, mode="drop")
+                new_v = self.v.at[..., slots, :, :].set(v, mode="drop")
+        return dataclasses.replace(self, k=new_k, v=new_v, length=self.length + n)
 
 
 def _overflow_message(n: int, length: int | None, max_len: int) -> str:
@@ -197,8 +267,3 @@ def remember(cache: KVCache, length: int | None) -> None:
     """Record the length `reserve` promised for the cache a call returned."""
     if length is not None:
         _remember(cache.length, length)
-
-
-def _write(buffer: Array, new: Array, start: Array) -> Array:
-    """`buffer[..., start:start + n, :] = new` for `buffer[..., heads, slots, d]`."""
-    return jax.lax.dynamic_update_slice_in_dim(buffer, new, start, axis=buffer.ndim - 2)

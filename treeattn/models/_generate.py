@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._attention import AttentionBackend, as_backend
+from ._attention import AttentionBackend, as_backend, cache_layout
 from ._cache import KVCache, remember, reserve
 from ._llama import Transformer, check_token_ids, check_token_type
 
@@ -23,6 +24,9 @@ def prefill(
     backend: str | AttentionBackend | None = None,
 ) -> tuple[Float[Array, "seq vocab"], KVCache]:
     """Run `tokens` after what `cache` holds; return their logits and the updated cache.
+
+    The cache passed in is donated (its buffers are updated in place and become the returned
+    cache's): use the returned one from then on.
 
     Raises a `ValueError` before running if the tokens are not integers, if a concrete
     `tokens` holds ids outside `[0, vocab_size)`, or if they do not fit into the cache (see
@@ -45,6 +49,12 @@ def decode_step(
 ) -> tuple[Float[Array, " vocab"], KVCache]:
     """One token in, next-token logits out. Shapes never change, so this compiles once.
 
+    The step reads each weight and each cached key and value once and writes only the new
+    token's keys and values, in place: the cache passed in is donated (use the returned one).
+    For a model whose layers are stacked (as loaded or trained), unstack them once first,
+    `model = model.unstack_layers()`: a stacked model's weights are copied layer by layer on
+    every step.
+
     A full cache raises a `ValueError` before running (see `KVCache`, "Overflow"). The token
     id's value is not checked, so that a token sampled on the device need not be copied to the
     host; an id outside `[0, vocab_size)` reads a clamped embedding row (see `Transformer`).
@@ -56,15 +66,23 @@ def decode_step(
     return logits, cache
 
 
-@eqx.filter_jit
 def _prefill(model, tokens, cache, *, backend):
-    return model(tokens, cache, backend=backend)
+    params, static = eqx.partition(model, eqx.is_array)
+    return _run(params, static, tokens, cache, backend=backend)
 
 
-@eqx.filter_jit
 def _decode_step(model, token, cache, *, backend):
-    logits, cache = model(token[None], cache, backend=backend)
+    params, static = eqx.partition(model, eqx.is_array)
+    logits, cache = _run(params, static, token[None], cache, backend=backend)
     return logits[0], cache
+
+
+# The cache is donated: each layer writes its new keys and values into the buffers it was
+# given, and the step holds no copy of any layer's cache (checked from the compiled HLO in
+# tests/test_model_decode.py).
+@functools.partial(jax.jit, static_argnames=("static", "backend"), donate_argnames=("cache",))
+def _run(params, static, tokens, cache, *, backend):
+    return eqx.combine(params, static)(tokens, cache, backend=backend)
 
 
 def sample(
@@ -99,23 +117,31 @@ def generate(
     mesh=None,
     kv_axis=None,
     max_len: int | None = None,
+    attention_mask: Array | None = None,
 ) -> Int[Array, " total"] | Int[Array, "batch total"]:
-    """Generate `max_new_tokens` after `prompt` (one sequence, or a batch of equal-length ones).
+    """Generate `max_new_tokens` after `prompt` (one sequence, or a batch).
 
     Prefills the prompt into a fresh KV cache, then decodes token by token inside one compiled
-    `lax.scan`. `temperature=0` is greedy decoding; otherwise a `key` is needed. With
+    `lax.scan`, every row of a batch at once (one kernel call per layer and step, not a loop
+    over rows). `temperature=0` is greedy decoding; otherwise a `key` is needed. With
     `backend="tree"` (and `mesh`, `kv_axis`), the cache is sharded along the sequence over the
     mesh axis, tokens are appended round-robin so the shards fill evenly, and attention is
     `tree_decode`.
 
+    **Prompts of different lengths.** As with transformers, pad them to one length and pass
+    `attention_mask` (`[batch, prompt]`, 1 or True for a prompt token, 0 for padding, on
+    either side): each row then keeps its own length in the cache, its tokens sit at positions
+    0, 1, ... (what transformers computes from the mask), and no padding is attended to.
+
     The arguments are checked before anything runs, with a `ValueError` that names the value:
     a prompt that is empty, not integer, or (when concrete) holds ids outside
-    `[0, vocab_size)`; `temperature < 0`; `top_k` outside `[1, vocab_size]`; and a `max_len`
-    too small for the prompt and the new tokens (`prompt + max_new_tokens - 1` tokens are
-    cached: the last one is sampled, not run).
+    `[0, vocab_size)`; an `attention_mask` of another shape or with a row of padding only;
+    `temperature < 0`; `top_k` outside `[1, vocab_size]`; and a `max_len` too small for the
+    prompt and the new tokens (`prompt + max_new_tokens - 1` tokens are cached: the last one
+    is sampled, not run).
 
-    **Returns:** the prompt followed by the new tokens, `[prompt + max_new_tokens]` (with a
-    leading batch axis if the prompt had one).
+    **Returns:** the prompt (as given, padding included) followed by the new tokens,
+    `[prompt + max_new_tokens]` (with a leading batch axis if the prompt had one).
     """
     vocab = model.config.vocab_size
     _check_sampling("generate", temperature, top_k, vocab)
@@ -135,16 +161,19 @@ def generate(
     if prompt.shape[-1] == 0 or prompt.size == 0:
         raise ValueError(f"generate: the prompt is empty (shape {prompt.shape})")
     check_token_ids("generate", prompt, vocab)
-    be = model.layers.self_attn.backend if backend is None else as_backend(backend, mesh, kv_axis)
+    be = model.backend if backend is None else as_backend(backend, mesh, kv_axis)
     batched = prompt.ndim == 2
     prompts = prompt if batched else prompt[None]
+    lengths = _prompt_lengths(attention_mask, prompts.shape)
     n_prompt = prompts.shape[1]
     total = n_prompt + max_new_tokens
     cache_mesh = be.mesh if be.name == "tree" else None
     cache_axis = be.kv_axis if be.name == "tree" else None
     if max_len is not None and max_len < 1:
         raise ValueError(f"generate: max_len must be at least 1, got {max_len}")
-    cache = model.init_cache(max_len or total - 1, mesh=cache_mesh, kv_axis=cache_axis)
+    cache = model.init_cache(
+        max_len or total - 1, mesh=cache_mesh, kv_axis=cache_axis, layout=cache_layout(be)
+    )
     if total - 1 > cache.max_len:
         raise ValueError(
             f"generate: a prompt of {n_prompt} token(s) and max_new_tokens={max_new_tokens} "
@@ -156,9 +185,14 @@ def generate(
         if key is not None
         else jnp.zeros((prompts.shape[0],), jnp.uint32)
     )
+    # One set of arrays per layer: each weight read in place once per step (see
+    # `Transformer.unstack_layers`); the copy is made once per call.
+    params, static = eqx.partition(model.unstack_layers(), eqx.is_array)
     out = _generate_batch(
-        model,
+        params,
+        static,
         prompts,
+        lengths,
         cache,
         keys,
         max_new_tokens=max_new_tokens,
@@ -167,6 +201,28 @@ def generate(
         backend=be,
     )
     return out if batched else out[0]
+
+
+def _prompt_lengths(mask, shape) -> Array | None:
+    """Per-row prompt lengths from a transformers-style attention mask (None: all full)."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    batch = shape if len(mask.shape) == 2 else shape[1:]
+    if tuple(mask.shape) != tuple(batch):
+        raise ValueError(
+            f"generate: attention_mask must have the prompt's shape {tuple(batch)}, "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.ndim == 1:
+        mask = mask[None]
+    if mask.dtype != jnp.bool_:
+        mask = mask != 0
+    lengths = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    empty = np.flatnonzero(np.asarray(lengths) == 0)
+    if empty.size:
+        raise ValueError(f"generate: attention_mask rows {empty.tolist()} hold no prompt token")
+    return mask
 
 
 def _check_sampling(name: str, temperature: float, top_k: int | None, vocab: int) -> None:
@@ -178,20 +234,25 @@ def _check_sampling(name: str, temperature: float, top_k: int | None, vocab: int
 
 # The settings are static (hashable) arguments: a second call with the same shapes and settings
 # reuses the compiled loop.
-@eqx.filter_jit
-def _generate_batch(model, prompts, cache, keys, *, max_new_tokens, temperature, top_k, backend):
-    batch = prompts.shape[0]
-    # One cache per row, the batch axis right after the layer axis: the layout the layer scan
-    # slices without transposing (a batch axis in front would transpose the cache every step).
-    cache = jax.tree.map(
-        lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], batch, *x.shape[1:])), cache
-    )
-    axes = jax.tree.map(lambda _: 1, cache)
-    forward = jax.vmap(
-        lambda tokens, cache: model(tokens, cache, backend=backend),
-        in_axes=(0, axes),
-        out_axes=(0, axes),
-    )
+@functools.partial(
+    jax.jit, static_argnames=("static", "max_new_tokens", "temperature", "top_k", "backend")
+)
+def _generate_batch(
+    params, static, prompts, mask, cache, keys, *, max_new_tokens, temperature, top_k, backend
+):
+    model = eqx.combine(params, static)
+    batch, n_prompt = prompts.shape
+    if mask is None:
+        tokens, lengths = prompts, jnp.full((batch,), n_prompt, jnp.int32)
+    else:
+        # Each row's prompt tokens moved to its front, in order (stable): position i of a row
+        # is its i-th prompt token, as transformers numbers them from the mask.
+        order = jnp.argsort(~mask, axis=1, stable=True)
+        tokens = jnp.take_along_axis(prompts, order, axis=1)
+        lengths = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    # One cache per row (a leading batch axis on every buffer and on the length).
+    cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), cache)
+    forward = jax.vmap(lambda tokens, cache: model(tokens, cache, backend=backend))
     sampling = temperature != 0.0
 
     def pick(logits, i):
@@ -207,8 +268,12 @@ def _generate_batch(model, prompts, cache, keys, *, max_new_tokens, temperature,
         next_logits, cache = forward(token[:, None], cache)
         return (next_logits[:, 0], cache), token
 
-    logits, cache = forward(prompts, cache)
+    logits, cache = forward(tokens, cache)
+    # A shorter row's padding was run after its prompt; it is not counted: the row's next
+    # token overwrites it, and nothing attends to it before then.
+    cache = dataclasses.replace(cache, length=lengths)
+    first = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     # The last token needs no forward pass of its own: scan one step fewer, then sample it.
-    (last, _), new = jax.lax.scan(step, (logits[:, -1], cache), jnp.arange(max_new_tokens - 1))
+    (last, _), new = jax.lax.scan(step, (first, cache), jnp.arange(max_new_tokens - 1))
     final = pick(last, max_new_tokens - 1)
     return jnp.concatenate([prompts.astype(jnp.int32), new.T, final[:, None]], axis=1)

@@ -11,7 +11,8 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._attention import AttentionBackend, MultiheadAttention, as_backend
+from .._numerics import Layout
+from ._attention import AttentionBackend, MultiheadAttention, as_backend, cache_layout
 from ._cache import KVCache, remember, reserve
 from ._config import LlamaConfig
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -70,8 +71,10 @@ class Transformer(eqx.Module):
     """A Llama-family decoder-only language model.
 
     The `num_hidden_layers` blocks are stored stacked (every array has a leading layer axis)
-    and run with `lax.scan`, so compile time does not grow with depth. Unbatched: `tokens[seq]`;
-    batch with `jax.vmap`.
+    and, without a cache, run with `lax.scan`, so compile time does not grow with depth. With a
+    cache the layers run one after another, each updating its own cache buffer in place (see
+    `KVCache`); `unstack_layers()` gives each layer its own arrays too, which a decode step
+    needs to read each weight once. Unbatched: `tokens[seq]`; batch with `jax.vmap`.
 
     ```python
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -82,7 +85,7 @@ class Transformer(eqx.Module):
     """
 
     embed_tokens: eqx.nn.Embedding
-    layers: DecoderBlock
+    layers: DecoderBlock | tuple[DecoderBlock, ...]
     norm: RMSNorm
     lm_head: eqx.nn.Linear | None
     config: LlamaConfig = eqx.field(static=True)
@@ -117,9 +120,18 @@ class Transformer(eqx.Module):
         )
 
     def init_cache(
-        self, max_len: int, *, mesh=None, kv_axis=None, block: int = 16, dtype=None
+        self,
+        max_len: int,
+        *,
+        mesh=None,
+        kv_axis=None,
+        block: int = 16,
+        dtype=None,
+        layout: Layout | None = None,
     ) -> KVCache:
-        """An empty KV cache for all layers (sharded over `mesh`/`kv_axis` for `"tree"`)."""
+        """An empty KV cache for all layers, one buffer per layer (sharded over
+        `mesh`/`kv_axis` for `"tree"`). `layout` defaults to what the model's backend reads
+        without a copy (see `cache_layout`)."""
         c = self.config
         assert c.head_dim is not None and c.num_key_value_heads is not None  # resolved
         dtype = dtype or self.embed_tokens.weight.dtype
@@ -132,7 +144,43 @@ class Transformer(eqx.Module):
             mesh=mesh,
             kv_axis=kv_axis,
             block=block,
+            layout=cache_layout(self.backend) if layout is None else layout,
         )
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend of the layers (each call may override it)."""
+        first = self.layers[0] if isinstance(self.layers, tuple) else self.layers
+        return first.self_attn.backend
+
+    def block(self, i: int) -> DecoderBlock:
+        """Block `i`: its own arrays when the layers are unstacked, else a slice of the stack."""
+        if isinstance(self.layers, tuple):
+            return self.layers[i]
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda a: a[i], dynamic), static)
+
+    def unstack_layers(self) -> Transformer:
+        """The same model with one set of arrays per layer (`layers` a tuple of blocks).
+
+        Decoding reads every weight once per step only from unstacked layers: XLA
+        materialises a slice of a stacked weight before the matrix product reads it, which
+        copies all the weights on every step. Training, `save_pretrained` and compile time
+        prefer the stacked form (one `lax.scan`); `stack_layers` goes back.
+        """
+        if isinstance(self.layers, tuple):
+            return self
+        blocks = tuple(self.block(i) for i in range(self.config.num_hidden_layers))
+        return eqx.tree_at(lambda m: m.layers, self, blocks)
+
+    def stack_layers(self) -> Transformer:
+        """The same model with its layers stacked (every array with a leading layer axis)."""
+        if not isinstance(self.layers, tuple):
+            return self
+        dynamic = [eqx.partition(b, eqx.is_array)[0] for b in self.layers]
+        static = eqx.partition(self.layers[0], eqx.is_array)[1]
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *dynamic)
+        return eqx.tree_at(lambda m: m.layers, self, eqx.combine(stacked, static))
 
     @jax.named_scope("treeattn.models.Transformer")
     def __call__(
@@ -164,27 +212,41 @@ class Transformer(eqx.Module):
     ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], KVCache]:
         """As `__call__`, from token embeddings (differentiable inputs)."""
         be = None if backend is None else as_backend(backend)
-        length = None if cache is None else reserve(cache, x.shape[0])
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        length = None
+        if cache is not None:
+            if cache.layers != self.config.num_hidden_layers:
+                raise ValueError(
+                    f"Transformer: the cache holds {cache.layers} layers, the model has "
+                    f"{self.config.num_hidden_layers} (make it with model.init_cache)"
+                )
+            length = reserve(cache, x.shape[0])
+        new_cache = None
+        if cache is None and not isinstance(self.layers, tuple):
+            dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
-        def layer(x, xs):
-            params, layer_cache = xs
-            block = eqx.combine(params, static)
-            x, new_cache = block(x, layer_cache, be)
-            return x, new_cache
+            def layer(x, params):
+                x, _ = eqx.combine(params, static)(x, None, be)
+                return x, None
 
-        # Unrolling a few layers per loop trip saves a decode step most of its loop overhead
-        # (0.7 -> 0.45 ms per token for the shipped 4-layer model on 2 CPU cores) while
-        # compile time stays bounded for deep models.
-        x, new_cache = jax.lax.scan(
-            layer, x, (dynamic, cache), unroll=min(4, self.config.num_hidden_layers)
-        )
+            # Unrolling a few layers per loop trip saves most of the loop overhead while
+            # compile time stays bounded for deep models.
+            x, _ = jax.lax.scan(layer, x, dynamic, unroll=min(4, self.config.num_hidden_layers))
+        else:
+            # With a cache, the layers run one after another in the program: each reads and
+            # updates its own cache buffer in place (see `KVCache`), which a loop over a
+            # stacked cache cannot do on XLA:CPU (the slice a layer reads is copied first).
+            new_layers = []
+            for i in range(self.config.num_hidden_layers):
+                x, layer_cache = self.block(i)(x, None if cache is None else cache.layer(i), be)
+                new_layers.append(layer_cache)
+            if cache is not None:
+                new_cache = cache.with_layers(new_layers)
         x = self.norm(x)
         if self.lm_head is None:
             logits = x @ self.embed_tokens.weight.T
         else:
             logits = jax.vmap(self.lm_head)(x)
-        if cache is None:
+        if cache is None or new_cache is None:
             return logits
         if cache.devices > 1:
             # A sharded cache cannot raise inside the program (see `KVCache`): the overflow,
@@ -227,7 +289,7 @@ class Transformer(eqx.Module):
         """
         from ._hf import save_pretrained
 
-        save_pretrained(self, path)
+        save_pretrained(self.stack_layers(), path)
 
 
 def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:

@@ -112,7 +112,7 @@ def train(
             meta = json.loads((pathlib.Path(checkpoint_dir) / "train_state.json").read_text())
             model = Transformer.from_pretrained(
                 checkpoint_dir,
-                backend=model.layers.self_attn.backend,
+                backend=model.backend,
                 dtype=model.embed_tokens.weight.dtype,
             )
             params, static = eqx.partition(model, eqx.is_inexact_array)

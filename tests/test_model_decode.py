@@ -1,0 +1,198 @@
+"""A model's decode step at memory speed: the cache updated in place, never copied; batched
+generation with prompts of different lengths; both cache layouts on every backend."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from treeattn.models import (
+    AttentionBackend,
+    KVCache,
+    LlamaConfig,
+    Transformer,
+    decode_step,
+    generate,
+    prefill,
+)
+from treeattn.models._generate import _run
+
+
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+MAX_LEN = 2048  # large enough that a copy of one layer's cache stands out
+
+
+def tree(p):
+    return AttentionBackend("tree", mesh=Mesh(np.array(jax.devices()[:p]), ("kv",)), kv_axis="kv")
+
+
+def model_of(dtype=jnp.float32):
+    return Transformer(CONFIG, dtype=dtype, key=jax.random.key(0))
+
+
+def compiled_step(model, cache, backend):
+    params, static = eqx.partition(model, eqx.is_array)
+    token = jnp.zeros((1,), jnp.int32)
+    return _run.lower(params, static, token, cache, backend=backend).compile()
+
+
+@pytest.mark.parametrize("backend", ["flash", AttentionBackend("flash", kernel="cpu")])
+def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
+    """The compiled step updates each layer's cache buffer in place (the parameter is aliased
+    to the output) and neither copies nor transposes a cache-sized buffer."""
+    model = model_of().unstack_layers()
+    cache = model.init_cache(MAX_LEN, layout="bhsd")
+    assert cache.layers == CONFIG.num_hidden_layers
+    compiled = compiled_step(model, cache, backend)
+    text = compiled.as_text()
+    layer_shape = ",".join(str(n) for n in cache.layer(0).k.shape)
+    big = [
+        line
+        for line in text.splitlines()
+        if re.search(rf"\[{layer_shape}\]", line)
+        and re.search(r"\b(copy|transpose|concatenate)\(", line)
+    ]
+    assert big == [], "\n".join(big)
+    # Every K and V buffer is aliased to an output: 2 * layers entries.
+    header = text.splitlines()[0]
+    assert "input_output_alias" in header
+    assert header.count("may-alias") >= 2 * CONFIG.num_hidden_layers
+    memory = compiled.memory_analysis()
+    cache_bytes = sum(x.nbytes for x in (*cache.k, *cache.v))
+    assert memory.alias_size_in_bytes >= cache_bytes
+    # Temporaries: activations only, far below one layer's K.
+    assert memory.temp_size_in_bytes < cache.layer(0).k.nbytes / 4
+
+
+def test_a_stacked_model_copies_its_weights_not_its_cache():
+    """Slices of stacked weights are materialised by XLA (why `unstack_layers` exists); the
+    cache stays in place either way."""
+    stacked, unstacked = model_of(), model_of().unstack_layers()
+    temps = {}
+    for name, model in (("stacked", stacked), ("unstacked", unstacked)):
+        cache = model.init_cache(MAX_LEN, layout="bhsd")
+        temps[name] = compiled_step(model, cache, "flash").memory_analysis().temp_size_in_bytes
+    layer_weights = sum(
+        x.nbytes for x in jax.tree.leaves(eqx.filter(unstacked.layers[0], eqx.is_array))
+    )
+    assert temps["stacked"] >= layer_weights
+    assert temps["unstacked"] < layer_weights / 4
+
+
+def test_decode_step_donates_the_cache():
+    model = model_of().unstack_layers()
+    cache = model.init_cache(64)
+    _, cache = prefill(model, jnp.arange(5), cache, backend="flash")
+    old = cache
+    _, cache = decode_step(model, jnp.asarray(1), cache, backend="flash")
+    assert all(x.is_deleted() for x in (*old.k, *old.v))
+    assert int(cache.length) == 6
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["energy", "reference", "flash", AttentionBackend("flash", kernel="xla"), tree(2), tree(4)],
+    ids=["energy", "reference", "flash-auto", "flash-xla", "tree-2", "tree-4"],
+)
+def test_both_layouts_give_the_logits_of_one_full_pass(backend, getkey):
+    model = model_of()
+    tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
+    full = model(tokens, backend="reference")
+    be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
+    mesh = be.mesh if be.name == "tree" else None
+    for layout in ("bhsd", "bshd"):
+        cache = model.init_cache(
+            32, mesh=mesh, kv_axis="kv" if mesh else None, block=2, layout=layout
+        )
+        assert cache.layout == layout
+        logits, cache = prefill(model, tokens[:9], cache, backend=backend)
+        steps = [logits]
+        for t in tokens[9:]:
+            step, cache = decode_step(model, t, cache, backend=backend)
+            steps.append(step[None])
+        np.testing.assert_allclose(
+            jnp.concatenate(steps), full, rtol=1e-5, atol=1e-5, err_msg=layout
+        )
+
+
+def test_unstacking_keeps_the_model():
+    model = model_of()
+    tokens = jnp.arange(10) % CONFIG.vocab_size
+    unstacked = model.unstack_layers()
+    assert isinstance(unstacked.layers, tuple) and len(unstacked.layers) == 3
+    np.testing.assert_allclose(unstacked(tokens), model(tokens), rtol=1e-6, atol=1e-6)
+    again = unstacked.stack_layers()
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "flash", tree(2)], ids=["reference", "flash", "tree-2"]
+)
+def test_batched_prompts_of_different_lengths(backend, getkey):
+    """Rows padded to one length (left or right) with an attention mask generate what each
+    prompt generates alone."""
+    model = model_of()
+    lengths = (7, 3, 5)
+    prompts = [jax.random.randint(getkey(), (n,), 0, CONFIG.vocab_size) for n in lengths]
+    alone = [np.asarray(generate(model, p, max_new_tokens=6, backend=backend)) for p in prompts]
+    width = max(lengths)
+    pad = 0
+    for side in ("left", "right"):
+        rows, mask = [], []
+        for p in prompts:
+            fill = [pad] * (width - len(p))
+            rows.append(
+                fill + list(np.asarray(p)) if side == "left" else list(np.asarray(p)) + fill
+            )
+            ones = [1] * len(p)
+            mask.append([0] * len(fill) + ones if side == "left" else ones + [0] * len(fill))
+        batch = generate(
+            model,
+            jnp.asarray(rows, jnp.int32),
+            attention_mask=jnp.asarray(mask, jnp.int32),
+            max_new_tokens=6,
+            backend=backend,
+        )
+        assert batch.shape == (3, width + 6)
+        np.testing.assert_array_equal(batch[:, :width], np.asarray(rows))
+        for row, ref in zip(np.asarray(batch), alone, strict=True):
+            np.testing.assert_array_equal(row[width:], ref[-6:], err_msg=side)
+
+
+def test_attention_mask_is_checked():
+    model = model_of()
+    prompts = jnp.zeros((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match=r"attention_mask must have the prompt's shape \(2, 4\)"):
+        generate(model, prompts, attention_mask=jnp.ones((2, 3)), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask rows \[1\] hold no prompt token"):
+        generate(
+            model,
+            prompts,
+            attention_mask=jnp.asarray([[1, 1, 0, 0], [0, 0, 0, 0]]),
+            max_new_tokens=2,
+        )
+
+
+def test_a_model_cache_appends_through_its_layers():
+    cache = KVCache.create(2, 8, 4, layers=2)
+    with pytest.raises(ValueError, match=r"holds 2 layers; append to cache.layer\(i\)"):
+        cache.append(jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4)))
+    layer = cache.layer(1).append(jnp.ones((3, 2, 4)), jnp.ones((3, 2, 4)))
+    merged = cache.with_layers([cache.layer(0), layer])
+    assert int(merged.length) == 3
+    np.testing.assert_array_equal(merged.k[1][:, :3], 1.0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        KVCache.create(2, 8, 4, layout="hsd")  # type: ignore[arg-type]
