@@ -77,8 +77,8 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
 
 
 def test_a_stacked_model_copies_its_weights_not_its_cache():
-    """Slices of stacked weights are materialised by XLA (why `unstack_layers` exists); the
-    cache stays in place either way."""
+    """Slices of stacked weights may be materialised by XLA (newer jax does: why
+    `unstack_layers` exists); the cache stays in place either way."""
     stacked, unstacked = model_of(), model_of().unstack_layers()
     temps = {}
     for name, model in (("stacked", stacked), ("unstacked", unstacked)):
@@ -87,7 +87,10 @@ def test_a_stacked_model_copies_its_weights_not_its_cache():
     layer_weights = sum(
         x.nbytes for x in jax.tree.leaves(eqx.filter(unstacked.layers[0], eqx.is_array))
     )
-    assert temps["stacked"] >= layer_weights
+    cache_layer = model_of().init_cache(MAX_LEN, layout="bhsd").layer(0).k.nbytes
+    # At most the weight slices of a layer (or of each layer, if XLA keeps them all), never a
+    # layer's cache.
+    assert temps["stacked"] < CONFIG.num_hidden_layers * layer_weights + cache_layer / 4
     assert temps["unstacked"] < layer_weights / 4
 
 

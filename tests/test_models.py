@@ -347,7 +347,7 @@ def test_training_through_energy_matches_reference(getkey):
 
 
 def test_attention_backend_kernel_choice():
-    """`kernel` takes a name or an ordered tuple; the former `flash_backend=x` means `(x, "auto")`."""
+    """`kernel` is a name or an ordered tuple; the former `flash_backend=x` is `(x, "auto")`."""
     assert AttentionBackend("flash", flash_backend="pallas").kernel == ("pallas", "auto")
     assert AttentionBackend("flash", flash_backend="auto").kernel == "auto"
     assert AttentionBackend("flash", kernel=["pallas", "xla"]).kernel == ("pallas", "xla")
