@@ -262,8 +262,13 @@ def finite_rows(x: Float[Array, "*rows d"]) -> tuple[Float[Array, "*rows d"], Bo
 def poison(
     x: Float[Array, "*batch kv"], bad: Bool[Array, "*#batch kv"]
 ) -> Float[Array, "*batch kv"]:
-    """Logits `x` with those of non-finite keys or values set to NaN (see `finite_rows`)."""
-    return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+    """Logits `x` with those of non-finite keys or values set to NaN (see `finite_rows`).
+
+    Added as a per-key bias (0 or NaN) rather than selected: the add fuses into the logits'
+    other elementwise work and its gradient is the identity, where a select would cost a
+    logits-sized pass forward and back."""
+    bias = jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), jnp.zeros((), x.dtype))
+    return x + lax.stop_gradient(bias)
 
 
 # ---------------------------------------------------------------------------------------------
