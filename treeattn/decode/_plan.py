@@ -16,6 +16,7 @@ from .._numerics import Dims, Layout
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_decode, per_row, positions_per_row
+from ._flash import run_kernel
 from ._registry import Backend, Choice, kernel_call, resolve
 
 
@@ -54,6 +55,24 @@ class DecodePlan:
 
     def local_shard(self) -> Array:
         return lax.axis_index(self.axis_name)
+
+    def attend(self, shard, q, k, v, q_offset, kv_length, positions, *, scale: float):
+        """`(out float32, lse)` of the keys of shard `shard` (held by this device), on the
+        plan's kernel: the local step of tree decoding and of every ring hop."""
+        q_off, kv_len = self.local_view(q_offset, kv_length, shard)
+        out, lse = run_kernel(
+            self.kernel,
+            q,
+            k,
+            v,
+            q_off,
+            kv_len,
+            positions,
+            dims=self.dims,
+            causal=self.causal,
+            scale=scale,
+        )
+        return out.astype(jnp.float32), lse
 
 
 def plan_decode(

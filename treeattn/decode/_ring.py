@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_partials
-from ._flash import run_kernel
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -79,20 +77,8 @@ def _ring(plan: DecodePlan, q, k, v, offsets, lengths, positions, *, scale):
 
         def attend(k, v, positions, step):
             # After `step` hops this device holds the shard that started on device me - step.
-            q_off, kv_len = plan.local_view(offsets, lengths, (me - step) % p)
-            out, lse = run_kernel(
-                plan.kernel,
-                q,
-                k,
-                v,
-                q_off,
-                kv_len,
-                positions,
-                dims=plan.dims,
-                causal=plan.causal,
-                scale=scale,
-            )
-            return out.astype(jnp.float32), lse
+            shard = (me - step) % p
+            return plan.attend(shard, q, k, v, offsets, lengths, positions, scale=scale)
 
         def step(i, carry):
             k, v, positions, out, lse = carry

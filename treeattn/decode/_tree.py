@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
-from ._flash import run_kernel
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -91,22 +89,10 @@ def tree_decode(
 @jax.named_scope("tree_decode")
 def _tree(plan: DecodePlan, q, k, v, offsets, lengths, positions, *, scale, reduction):
     def local(q, k, v, offsets, lengths, positions):
-        q_off, kv_len = plan.local_view(offsets, lengths, plan.local_shard())
-        out, lse = run_kernel(
-            plan.kernel,
-            q,
-            k,
-            v,
-            q_off,
-            kv_len,
-            positions,
-            dims=plan.dims,
-            causal=plan.causal,
-            scale=scale,
+        out, lse = plan.attend(
+            plan.local_shard(), q, k, v, offsets, lengths, positions, scale=scale
         )
-        merged, _ = merge_across(
-            out.astype(jnp.float32), lse, axis_name=plan.axis_name, reduction=reduction
-        )
+        merged, _ = merge_across(out, lse, axis_name=plan.axis_name, reduction=reduction)
         assert merged is not None
         return merged.astype(q.dtype)
 
