@@ -173,6 +173,13 @@ def attend(
     return out[0]
 
 
+def linear(proj: eqx.nn.Linear, x: Array) -> Array:
+    """`proj` over the rows of `x` in the promotion of the weights' and the input's dtypes (the
+    dtype `eqx.nn.Linear` computes in under standard promotion), whatever the promotion mode."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jax.vmap(proj)(x)
+
+
 class MultiheadAttention(eqx.Module):
     r"""Multi-head attention, a drop-in replacement for `equinox.nn.MultiheadAttention`.
 
@@ -190,9 +197,19 @@ class MultiheadAttention(eqx.Module):
       `"reference"`, `"flash"`, `"tree"`, or an
       [`AttentionBackend`][treeattn.models.AttentionBackend]; overridable per call.
 
+    Dtypes follow Equinox: each projection runs in the promotion of its weights' and its
+    input's dtypes (float32 weights and bfloat16 inputs: heads, attention and the output
+    projection in float32, and a float32 result), and query and key/value heads of different
+    dtypes are promoted to one, as `jnp.result_type` would under standard promotion (also when
+    `jax_numpy_dtype_promotion="strict"`).
+
+    Dropout on the attention weights (`dropout_p`, or `dropout.p` set to an array, traced or
+    not, e.g. with `eqx.tree_at`) runs on every backend: in training the weights
+    $\mathrm{softmax}(q k^\top / \sqrt{d})$ are then formed explicitly, one dropout key per
+    head as in Equinox; in inference (or with a Python `p == 0`) the backend's fused path runs.
+
     Differences from Equinox: a query that may attend to nothing gets output 0 (Equinox averages
-    every value). With attention-weight dropout in training the weights are formed explicitly
-    (softmax written out), whatever the backend.
+    every value).
     """
 
     query_proj: eqx.nn.Linear
@@ -280,7 +297,7 @@ class MultiheadAttention(eqx.Module):
         self.backend = as_backend(backend, mesh, kv_axis)
 
     def _project(self, proj, x, heads):
-        return jax.vmap(proj)(x).reshape(x.shape[0], heads, -1)
+        return linear(proj, x).reshape(x.shape[0], heads, -1)
 
     @jax.named_scope("treeattn.models.MultiheadAttention")
     def __call__(
@@ -319,6 +336,10 @@ class MultiheadAttention(eqx.Module):
         q = self._project(self.query_proj, query, self.num_heads)
         k = self._project(self.key_proj, key_, self.num_kv_heads)
         v = self._project(self.value_proj, value, self.num_kv_heads)
+        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
+        with jax.numpy_dtype_promotion("standard"):
+            heads_dtype = jnp.result_type(q, k, v)
+        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
         if process_heads is not None:
             shapes = (q.shape, k.shape, v.shape)
             q, k, v = process_heads(q, k, v)
@@ -335,8 +356,11 @@ class MultiheadAttention(eqx.Module):
         q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
         if self.rotary is not None:
             q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
-        dropout_on = self.dropout.p > 0 and not (
-            self.dropout.inference if inference is None else inference
+        # Equinox's rule: dropout is off in inference and for a Python rate of 0; a rate held
+        # as an array (possibly traced) is applied as it is.
+        p = self.dropout.p
+        dropout_on = not (self.dropout.inference if inference is None else inference) and not (
+            isinstance(p, int | float) and p == 0
         )
         if cache is None:
             if dropout_on:
@@ -379,7 +403,8 @@ class MultiheadAttention(eqx.Module):
                 kv_positions=positions,
                 backend=be,
             )
-        out = jax.vmap(self.output_proj)(attn.reshape(q_seq, -1).astype(query.dtype))
+        # In the heads' dtype (a cache may hold another), then projected as Equinox does.
+        out = linear(self.output_proj, attn.reshape(q_seq, -1).astype(heads_dtype))
         return out if new_cache is None else (out, new_cache)
 
     def _attend_with_dropout(self, q, k, v, mask, q_offset, key, inference):
@@ -396,5 +421,9 @@ class MultiheadAttention(eqx.Module):
         weights = jnp.where(jnp.isfinite(weights), weights, 0.0).astype(q.dtype)
         # One dropout key per head, as Equinox splits them.
         keys = None if key is None else jax.random.split(key, self.num_heads)
-        weights = jax.vmap(lambda w, k: self.dropout(w, key=k, inference=inference))(weights, keys)
+        with jax.numpy_dtype_promotion("standard"):  # a rate held as a float32 array
+            weights = jax.vmap(lambda w, k: self.dropout(w, key=k, inference=inference))(
+                weights, keys
+            )
+        weights = weights.astype(q.dtype)
         return jnp.einsum("hsS,Shd->shd", weights, v)
