@@ -17,7 +17,7 @@ from .. import decode, energy
 from .._numerics import Dims, Layout, visibility
 from .._partials import Reduction
 from ._cache import KVCache
-from ._layers import RotaryEmbedding
+from ._layers import RMSNorm, RotaryEmbedding
 
 
 AttentionPath = Literal["energy", "reference", "flash", "tree"]
@@ -191,6 +191,9 @@ class MultiheadAttention(eqx.Module):
     - `causal`: a causal mask aligned bottom-right by absolute position.
     - `rotary`: a [`RotaryEmbedding`][treeattn.models.RotaryEmbedding] applied to queries and keys
       at their absolute positions.
+    - `qk_norm_eps`: an [`RMSNorm`][treeattn.models.RMSNorm] with this epsilon over each head of
+      the queries (`query_norm`) and keys (`key_norm`) after the projections, before the
+      rotary embedding (Qwen3).
     - `cache`: a [`KVCache`][treeattn.models.KVCache]; the call then appends the new keys and
       values, attends over everything cached, and returns `(output, new_cache)`.
     - `backend`: `"energy"` (default; attention as `jax.grad` of the free energy),
@@ -218,6 +221,8 @@ class MultiheadAttention(eqx.Module):
     output_proj: eqx.nn.Linear
     dropout: eqx.nn.Dropout
     rotary: RotaryEmbedding | None
+    query_norm: RMSNorm | None
+    key_norm: RMSNorm | None
 
     num_heads: int = eqx.field(static=True)
     query_size: int = eqx.field(static=True)
@@ -254,6 +259,7 @@ class MultiheadAttention(eqx.Module):
         num_kv_heads: int | None = None,
         causal: bool = False,
         rotary: RotaryEmbedding | None = None,
+        qk_norm_eps: float | None = None,
         backend: str | AttentionBackend = "energy",
         mesh: Mesh | None = None,
         kv_axis: str | tuple[str, ...] | None = None,
@@ -288,6 +294,14 @@ class MultiheadAttention(eqx.Module):
         )
         self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
         self.rotary = rotary
+        self.query_norm, self.key_norm = (
+            (None, None)
+            if qk_norm_eps is None
+            else (
+                RMSNorm(qk_size, qk_norm_eps, dtype=dtype),
+                RMSNorm(qk_size, qk_norm_eps, dtype=dtype),
+            )
+        )
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.query_size, self.key_size, self.value_size = query_size, key_size, value_size
         self.output_size, self.qk_size, self.vo_size = output_size, qk_size, vo_size
@@ -340,6 +354,9 @@ class MultiheadAttention(eqx.Module):
         with jax.numpy_dtype_promotion("standard"):
             heads_dtype = jnp.result_type(q, k, v)
         q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
+        if self.query_norm is not None and self.key_norm is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
         if process_heads is not None:
             shapes = (q.shape, k.shape, v.shape)
             q, k, v = process_heads(q, k, v)

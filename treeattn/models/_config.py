@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, SupportsIndex
+from typing import Any, Literal, SupportsIndex, get_args
 
 from ._layers import Llama3Scaling
 
@@ -18,7 +18,11 @@ _POSITIVE = (
     "num_attention_heads",
     "max_position_embeddings",
 )
-_OPTIONAL_POSITIVE = ("num_key_value_heads", "head_dim")
+_OPTIONAL_POSITIVE = ("num_key_value_heads", "head_dim", "sliding_window")
+
+ModelType = Literal["llama", "mistral", "qwen2", "qwen3"]
+"""The Hugging Face families the decoder reads and writes (`model_type` of `config.json`)."""
+MODEL_TYPES: tuple[ModelType, ...] = get_args(ModelType)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -37,6 +41,22 @@ class LlamaConfig:
     config is made, so after construction they are plain integers. Sizes and counts must be
     positive and the head dimension even (rotary embeddings rotate pairs); a `ValueError`
     names the field otherwise.
+
+    One decoder serves the Llama family's relatives; what sets them apart is a switch:
+
+    - `attention_bias`: biases on the query, key, value and output projections (Llama's
+      option, Qwen3's).
+    - `qkv_bias`: biases on the query, key and value projections only (Qwen2, Qwen2.5).
+    - `qk_norm`: an RMSNorm (with `rms_norm_eps`) over each head of the queries and keys,
+      before the rotary embedding (Qwen3).
+    - `sliding_window`: each query sees itself and the `sliding_window - 1` keys before it
+      (Mistral).
+    - `tie_word_embeddings`: the output matrix is the embedding matrix.
+
+    `model_type` (`"llama"`, `"mistral"`, `"qwen2"` or `"qwen3"`) names the Hugging Face
+    family `config.json` is written as; `qkv_bias=None` and `qk_norm=None` take that family's
+    value (`True` for Qwen2 and Qwen3 respectively). A combination the family cannot express
+    (e.g. `qk_norm` in a Llama) runs, and `to_dict` / `save_pretrained` refuse it by name.
     """
 
     vocab_size: int = 32000
@@ -53,8 +73,20 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    model_type: ModelType = "llama"
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"LlamaConfig: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}"
+            )
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.model_type == "qwen2")
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.model_type == "qwen3")
         for name in _POSITIVE + _OPTIONAL_POSITIVE:
             value = getattr(self, name)
             if value is not None or name not in _OPTIONAL_POSITIVE:
@@ -95,15 +127,18 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
-        """From a Hugging Face `config.json`'s contents. Another model type, missing essential
-        keys, or what this architecture cannot represent (another activation, sliding-window
-        attention, other rotary scalings) raise a `ValueError` that names them."""
+        """From a Hugging Face `config.json`'s contents (`model_type` `"llama"`, `"mistral"`,
+        `"qwen2"` or `"qwen3"`). Another model type, missing essential keys, or what this
+        decoder cannot represent (another activation, other rotary scalings, Qwen's per-layer
+        sliding windows, biases the family does not have) raise a `ValueError` that names
+        them."""
         from ._hf import config_from_dict
 
         return config_from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
-        """The Hugging Face `config.json` contents (`model_type: "llama"`)."""
+        """The Hugging Face `config.json` contents of the `model_type` family; a switch that
+        family does not have raises a `ValueError` naming it."""
         from ._hf import config_to_dict
 
         return config_to_dict(self)

@@ -48,31 +48,114 @@ REQUIRED = (
 # ---------------------------------------------------------------------------------------------
 
 
+# Each family's class in transformers, and the defaults of its config class for the keys
+# that decide the architecture (a `config.json` normally lists them all).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"rms_norm_eps": 1e-6, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6},
+    "qwen3": {"rms_norm_eps": 1e-6, "head_dim": 128},
+}
+# Which switches a family has: (attention_bias, qkv_bias, qk_norm, mlp_bias, sliding_window)
+# either free (None) or fixed to a value, as transformers builds each family.
+_FIXED: dict[str, dict[str, Any]] = {
+    "llama": {"qkv_bias": False, "qk_norm": False, "sliding_window": None},
+    "mistral": {"attention_bias": False, "qkv_bias": False, "qk_norm": False, "mlp_bias": False},
+    "qwen2": {
+        "attention_bias": False,
+        "qkv_bias": True,
+        "qk_norm": False,
+        "mlp_bias": False,
+        "sliding_window": None,
+    },
+    "qwen3": {"qkv_bias": False, "qk_norm": True, "mlp_bias": False, "sliding_window": None},
+}
+
+
+def _family(d: dict[str, Any]) -> str:
+    model_type = d.get("model_type")
+    architectures = d.get("architectures") or []
+    if model_type is not None and model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"LlamaConfig: model_type {model_type!r} is not supported "
+            f"(only {', '.join(repr(m) for m in ARCHITECTURES)})"
+        )
+    if model_type is None and architectures:
+        known = [m for m, a in ARCHITECTURES.items() if a in architectures]
+        if not known:
+            raise ValueError(
+                f"LlamaConfig: architectures {architectures} are not supported (no model_type; "
+                f"only {', '.join(ARCHITECTURES.values())})"
+            )
+        return known[0]
+    return model_type or "llama"
+
+
+def _windows(family: str, d: dict[str, Any]) -> int | None:
+    """The one sliding window of every layer (`None`: none), or a `ValueError` naming the
+    setting this decoder cannot represent."""
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    if family in ("qwen2", "qwen3"):
+        # transformers: layer i slides when use_sliding_window and (layer_types[i], or by
+        # default i >= max_window_layers) say so.
+        if not d.get("use_sliding_window", False) or window is None:
+            return None
+        n = d.get("num_hidden_layers")
+        if types is not None:
+            sliding = [t == "sliding_attention" for t in types]
+        else:
+            first = d.get("max_window_layers", 28)
+            sliding = [i >= first for i in range(n if isinstance(n, int) else 0)]
+        if any(sliding):
+            raise ValueError(
+                f"LlamaConfig: {family} sliding-window attention (use_sliding_window=true, "
+                f"sliding_window={window}, max_window_layers={d.get('max_window_layers')}, "
+                f"layer_types={types}) is not supported: its layers differ in their windows"
+            )
+        return None
+    if types is not None and any(t != types[0] for t in types):
+        raise ValueError(f"LlamaConfig: layer_types {types} differ between layers (not supported)")
+    if family == "llama":
+        if window is not None and d.get("use_sliding_window", True):
+            raise ValueError(
+                f"LlamaConfig: sliding-window attention (sliding_window={window}) is not "
+                "supported for model_type 'llama' (use 'mistral')"
+            )
+        return None
+    return window
+
+
 def config_from_dict(d: dict[str, Any]) -> LlamaConfig:
     """A `LlamaConfig` from a Hugging Face `config.json`'s contents; see `LlamaConfig.from_dict`."""
     if not isinstance(d, dict):
         raise ValueError(f"LlamaConfig: a config must be a JSON object, got {type(d).__name__}")
-    model_type = d.get("model_type")
-    architectures = d.get("architectures") or []
-    if model_type is not None and model_type != "llama":
-        raise ValueError(f"LlamaConfig: model_type {model_type!r} is not supported (only 'llama')")
-    if model_type is None and architectures and "LlamaForCausalLM" not in architectures:
-        raise ValueError(
-            f"LlamaConfig: architectures {architectures} are not supported (no model_type; "
-            "only LlamaForCausalLM)"
-        )
+    family = _family(d)
     missing = [k for k in REQUIRED if k not in d]
     if missing:
         raise ValueError(f"LlamaConfig: the config lacks the required keys {missing}")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"LlamaConfig: hidden_act {d['hidden_act']!r} is not supported")
-    if d.get("sliding_window") is not None and d.get("use_sliding_window", True):
-        raise ValueError(
-            f"LlamaConfig: sliding-window attention (sliding_window="
-            f"{d['sliding_window']}) is not supported"
-        )
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    d = {**_FAMILY_DEFAULTS[family], **d}
+    for name in ("attention_bias", "mlp_bias"):
+        fixed = _FIXED[family].get(name)
+        if name in d and fixed is not None and bool(d[name]) != fixed:
+            raise ValueError(
+                f"LlamaConfig: {name}={d[name]} is not supported for model_type {family!r} "
+                f"({ARCHITECTURES[family]} has no such biases)"
+            )
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)} - {"qkv_bias", "qk_norm"}
     kw = {k: v for k, v in d.items() if k in fields}
+    kw.update(model_type=family, sliding_window=_windows(family, d))
+    for name in ("attention_bias", "mlp_bias"):
+        if name in _FIXED[family]:
+            kw[name] = _FIXED[family][name]
     scaling = d.get("rope_scaling")
     # transformers >= 5 writes `rope_parameters` (theta and scaling together).
     params = d.get("rope_parameters")
@@ -95,15 +178,29 @@ def config_from_dict(d: dict[str, Any]) -> LlamaConfig:
 
 
 def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
-    """The `config.json` contents transformers reads as a `LlamaForCausalLM`."""
+    """The `config.json` contents transformers reads as the `model_type` family's causal LM;
+    a switch that family does not have raises a `ValueError` naming it."""
+    family = config.model_type
+    for name, fixed in _FIXED[family].items():
+        if getattr(config, name) != fixed:
+            raise ValueError(
+                f"LlamaConfig: {name}={getattr(config, name)} cannot be written as a Hugging "
+                f"Face {family!r} config ({ARCHITECTURES[family]} has {name}={fixed})"
+            )
     d = dataclasses.asdict(config)
+    for name in ("qkv_bias", "qk_norm", *_FIXED[family]):
+        d.pop(name, None)  # implied by the family
     rope: dict[str, Any] = {"rope_type": "default"}
     if config.rope_scaling is not None:
         rope = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
         d["rope_scaling"] = dict(rope)
     # Both spellings: `rope_theta`/`rope_scaling` (transformers 4) and `rope_parameters` (5).
     d["rope_parameters"] = {**rope, "rope_theta": config.rope_theta}
-    d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
+    if family == "mistral":
+        d["sliding_window"] = config.sliding_window
+    elif family in ("qwen2", "qwen3"):
+        d.update(use_sliding_window=False, sliding_window=None)
+    d.update(architectures=[ARCHITECTURES[family]], model_type=family, hidden_act="silu")
     return d
 
 
@@ -140,6 +237,7 @@ _ATTENTION = {
     "v_proj": "value_proj",
     "o_proj": "output_proj",
 }
+_NORMS = {"q_norm": "query_norm", "k_norm": "key_norm"}  # Qwen3's per-head RMSNorms
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -159,12 +257,18 @@ def parameter_map(config: LlamaConfig):
     per_layer = [
         (f"{n}.weight", f"{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")
     ]
-    kinds = ["weight"] + (["bias"] if config.attention_bias else [])
     per_layer += [
-        (f"self_attn.{hf}.{kind}", f"self_attn.{ours}.{kind}")
-        for kind in kinds
-        for hf, ours in _ATTENTION.items()
+        (f"self_attn.{hf}.weight", f"self_attn.{ours}.weight") for hf, ours in _ATTENTION.items()
     ]
+    per_layer += [
+        (f"self_attn.{hf}.bias", f"self_attn.{ours}.bias")
+        for hf, ours in _ATTENTION.items()
+        if config.attention_bias or (config.qkv_bias and hf != "o_proj")
+    ]
+    if config.qk_norm:
+        per_layer += [
+            (f"self_attn.{hf}.weight", f"self_attn.{ours}.weight") for hf, ours in _NORMS.items()
+        ]
     kinds = ["weight"] + (["bias"] if config.mlp_bias else [])
     per_layer += [(f"mlp.{n}.{kind}", f"mlp.{n}.{kind}") for kind in kinds for n in _MLP]
     return [(hf, _getter(ours), False) for hf, ours in top] + [

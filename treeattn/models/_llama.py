@@ -32,6 +32,11 @@ class DecoderBlock(eqx.Module):
         k1, k2 = jax.random.split(key)
         c = config
         assert c.head_dim is not None and c.num_key_value_heads is not None  # resolved
+        if c.sliding_window is not None:
+            raise ValueError(
+                f"LlamaConfig: sliding_window={c.sliding_window}: sliding-window attention is "
+                "not supported yet (set sliding_window=None for full causal attention)"
+            )
         rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.self_attn = MultiheadAttention(
@@ -39,14 +44,15 @@ class DecoderBlock(eqx.Module):
             c.hidden_size,
             qk_size=c.head_dim,
             vo_size=c.head_dim,
-            use_query_bias=c.attention_bias,
-            use_key_bias=c.attention_bias,
-            use_value_bias=c.attention_bias,
+            use_query_bias=c.attention_bias or bool(c.qkv_bias),
+            use_key_bias=c.attention_bias or bool(c.qkv_bias),
+            use_value_bias=c.attention_bias or bool(c.qkv_bias),
             use_output_bias=c.attention_bias,
             dtype=dtype,
             num_kv_heads=c.num_key_value_heads,
             causal=True,
             rotary=rotary,
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
             backend=backend,
             key=k1,
         )
