@@ -74,7 +74,8 @@ class DecoderBlock(eqx.Module):
 
 
 class Transformer(eqx.Module):
-    """A Llama-family decoder-only language model.
+    """A Llama-family decoder-only language model (Llama, Mistral, Qwen2/Qwen2.5, Qwen3:
+    one decoder, the differences are switches of `LlamaConfig`).
 
     The `num_hidden_layers` blocks are stored stacked (every array has a leading layer axis)
     and, without a cache, run with `lax.scan`, so compile time does not grow with depth. With a
@@ -270,11 +271,14 @@ class Transformer(eqx.Module):
     def from_pretrained(
         cls, path: str | pathlib.Path, *, dtype=None, backend: str | AttentionBackend = "energy"
     ) -> Transformer:
-        """Load a Hugging Face Llama-family checkpoint from a local folder: `config.json` and
-        `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+        """Load a Hugging Face checkpoint of the Llama family — `model_type` `"llama"`,
+        `"mistral"`, `"qwen2"` (Qwen2, Qwen2.5) or `"qwen3"` — from a local folder:
+        `config.json` and `model.safetensors`, or shards listed in
+        `model.safetensors.index.json`. The families differ by switches of `LlamaConfig`.
 
         Errors name what is wrong: a missing folder or `config.json` (`FileNotFoundError`);
-        invalid JSON (with its position), another `model_type` than `"llama"`, missing
+        invalid JSON (with its position), another `model_type`, a setting the decoder cannot
+        represent (see `LlamaConfig.from_dict`), missing
         essential keys (`vocab_size`, `hidden_size`, `intermediate_size`,
         `num_hidden_layers`, `num_attention_heads`), a folder holding both
         `model.safetensors` and a shard index, and missing, unexpected or mis-shaped tensors
@@ -285,7 +289,8 @@ class Transformer(eqx.Module):
         return load_pretrained(cls, path, dtype=dtype, backend=backend)
 
     def save_pretrained(self, path: str | pathlib.Path) -> None:
-        """Write `config.json` and `model.safetensors` in the Hugging Face Llama format.
+        """Write `config.json` and `model.safetensors` in the Hugging Face format of the
+        config's `model_type` (a switch that family lacks raises a `ValueError` naming it).
 
         Both files are written in full beside the targets and then renamed into place, so a
         failure while writing leaves a previous checkpoint in `path` as it was. A sharded
