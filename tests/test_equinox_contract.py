@@ -81,12 +81,13 @@ def test_every_size_distinct(backend, getkey):
     k = getkey()
     ours = MultiheadAttention(**kw, backend=backend_of(backend), key=k)
     theirs = eqx.nn.MultiheadAttention(**kw, key=k)
-    q = jax.random.uniform(getkey(), (19, 3))
-    kk = jax.random.uniform(getkey(), (23, 5))
-    v = jax.random.uniform(getkey(), (23, 7))
-    out = ours(q, kk, v)
-    assert not isinstance(out, tuple) and out.shape == (19, 11)
-    assert_close(out, theirs(q, kk, v))
+    for q_seq, kv_seq in ((19, 23), (23, 19)):  # fewer queries than keys, and more
+        q = jax.random.uniform(getkey(), (q_seq, 3))
+        kk = jax.random.uniform(getkey(), (kv_seq, 5))
+        v = jax.random.uniform(getkey(), (kv_seq, 7))
+        out = ours(q, kk, v)
+        assert not isinstance(out, tuple) and out.shape == (q_seq, 11)
+        assert_close(out, theirs(q, kk, v))
 
 
 def integer_weights(backend):

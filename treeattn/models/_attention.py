@@ -389,7 +389,9 @@ class MultiheadAttention(eqx.Module):
                     v,
                     kv_layout="bshd",
                     kv_length=None,
-                    q_offset=q_offset,
+                    # Without causality the alignment of queries to keys is moot; more
+                    # queries than keys would give the kernels a negative offset.
+                    q_offset=q_offset if self.causal else 0,
                     causal=self.causal,
                     mask=mask,
                     kv_positions=None,
