@@ -30,6 +30,7 @@ from test_energy import TOL
 
 from treeattn.decode import (
     BackendUnavailable,
+    dot_product_attention,
     flash_attention,
     select_backend,
     tree_decode,
@@ -338,6 +339,45 @@ def test_tree_decode_lowers_for_cuda(backend, dtype):
     assert_cuda_program(text)
     assert ("triton" in text) == (backend != "xla")
     assert "all-reduce" in text or "all_reduce" in text
+
+
+@cpu_only
+@pytest.mark.parametrize("feature", ["window", "mask", "bias"])
+@pytest.mark.parametrize("backend", ["auto", "xla", "reference", "pallas", "cpu"])
+@pytest.mark.parametrize("path", ["flash", "tree", "dpa"])
+def test_window_mask_bias_lower_for_cuda(path, backend, feature):
+    """A sliding window, a mask or a bias lowers for CUDA without a CPU custom call on every
+    backend that takes it ("auto" falls back to one); a backend that refuses it raises
+    `BackendUnavailable` naming it when the program is lowered for CUDA."""
+    dtype = jnp.bfloat16
+    mesh = Mesh(np.array(devices(4)), ("kv",))
+    args = (
+        S((2, 1, 8, 64), dtype),
+        S((2, 2, 256, 64), dtype),
+        S((2, 2, 256, 64), dtype),
+        S((2, 1, 1, 256), jnp.bool_ if feature == "mask" else dtype),
+    )
+
+    def f(q, k, v, extra):
+        kw: dict = {feature: extra} if feature != "window" else {"local_window_size": (63, 0)}
+        if path == "dpa":  # jax's layout [batch, seq, heads, dim]
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            impl = None if backend == "auto" else backend
+            return dot_product_attention(q, k, v, **kw, implementation=impl)
+        common = dict(kv_layout="bhsd", backend=backend, causal=True, **kw)
+        if path == "tree":
+            return tree_decode(q, k, v, mesh=mesh, kv_axis="kv", **common)
+        return flash_attention(q, k, v, q_offset=255, **common)[0]
+
+    if backend in ("pallas", "cpu"):
+        what = "local_window_size" if feature == "window" else feature
+        match = "unavailable on cuda" if backend == "cpu" else what
+        with pytest.raises(BackendUnavailable, match=match):
+            lower(f, *args)
+        return
+    text = lower(f, *args)
+    assert_cuda_program(text)
+    assert "triton" not in text  # the Pallas kernel takes none of them: auto fell back
 
 
 @cpu_only

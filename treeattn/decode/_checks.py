@@ -85,3 +85,29 @@ def positions_per_row(kv_positions, dims: Dims) -> Int[Array, "batch kv_seq"] | 
     if kv_positions is None:
         return None
     return jnp.broadcast_to(jnp.asarray(kv_positions).astype(jnp.int32), (dims.batch, dims.kv_seq))
+
+
+def check_logits_operand(fn: str, name: str, x, dims: Dims):
+    """A boolean `mask` or an additive `bias`, broadcastable to
+    `[batch, heads, q_seq, kv_seq]` (jax's convention), as
+    `[batch, #heads, #q_seq, kv_seq]`: the heads and query axes stay of size 1 where they
+    were (nothing is copied per head or query), the batch and key axes are filled out (the
+    keys are sliced into blocks or shards, each batch row is one kernel call). None stays
+    None."""
+    if x is None:
+        return None
+    dtype = jnp.result_type(x)
+    if name == "mask" and dtype != jnp.bool_:
+        raise ValueError(f"{fn}: mask must be boolean (True = attend), got dtype {dtype}")
+    if name == "bias" and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{fn}: bias must be a floating-point array, got dtype {dtype}")
+    full = (dims.batch, dims.heads, dims.q_seq, dims.kv_seq)
+    shape = shape_of(x)
+    padded = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or any(n not in (1, f) for n, f in zip(padded, full, strict=True)):
+        raise ValueError(
+            f"{fn}: {name} must broadcast to [batch, heads, q_seq, kv_seq] = {full}, got "
+            f"shape {shape}"
+        )
+    target = (dims.batch, padded[1], padded[2], dims.kv_seq)
+    return jnp.broadcast_to(jnp.reshape(x, padded), target)

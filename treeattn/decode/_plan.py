@@ -12,10 +12,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from .._numerics import Dims, Layout
+from .._numerics import Dims, Layout, Window, check_window
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
-from ._checks import check_decode, per_row, positions_per_row
+from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
 from ._flash import run_kernel
 from ._registry import Backend, Choice, kernel_call, resolve
 
@@ -29,6 +29,9 @@ class DecodePlan:
     causal: bool
     kernel: Choice  # resolved for one shard, per lowering platform
     positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
+    window: Window | None = None  # a sliding window by absolute position
+    has_mask: bool = False  # a mask [batch, #heads, #q_seq, kv_seq], sharded with K/V
+    has_bias: bool = False  # a bias, the same
 
     @property
     def axis_name(self) -> AxisName:
@@ -40,10 +43,12 @@ class DecodePlan:
 
     def shard_map(self, local):
         """`shard_map` over the cache: q, offsets, lengths replicated; K, V (and the key
-        positions) sharded along the sequence."""
+        positions, mask and bias) sharded along the sequence."""
         kv = self.sharding.spec(4, 1 + self.dims.seq_axis)
         pos = self.sharding.spec(2, 1) if self.positional else None
-        return self.sharding.shard_map(local, (P(), kv, kv, P(), P(), pos), P())
+        mask = self.sharding.spec(4, 3) if self.has_mask else None
+        bias = self.sharding.spec(4, 3) if self.has_bias else None
+        return self.sharding.shard_map(local, (P(), kv, kv, P(), P(), pos, mask, bias), P())
 
     def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
         """(q_offset, kv_length) of shard `shard` relative to its first key; unchanged when the
@@ -56,9 +61,11 @@ class DecodePlan:
     def local_shard(self) -> Array:
         return lax.axis_index(self.axis_name)
 
-    def attend(self, shard, q, k, v, q_offset, kv_length, positions, *, scale: float):
-        """`(out float32, lse)` of the keys of shard `shard` (held by this device), on the
-        plan's kernel: the local step of tree decoding and of every ring hop."""
+    def attend(self, shard, q, k, v, q_offset, kv_length, positions, mask, bias, *, scale: float):
+        """`(out float32, lse)` of the keys of shard `shard` (held by this device, with its
+        slice of the mask and bias), on the plan's kernel: the local step of tree decoding and
+        of every ring hop. Positions stay absolute (the window and causality hold across
+        shards): the query offset is moved by the shard's first position."""
         q_off, kv_len = self.local_view(q_offset, kv_length, shard)
         out, lse = run_kernel(
             self.kernel,
@@ -68,8 +75,11 @@ class DecodePlan:
             q_off,
             kv_len,
             positions,
+            mask,
+            bias,
             dims=self.dims,
             causal=self.causal,
+            window=self.window,
             scale=scale,
         )
         return out.astype(jnp.float32), lse
@@ -91,9 +101,13 @@ def plan_decode(
     backend: Backend | Sequence[Backend],
     kv_positions,
     scale,
+    local_window_size=None,
+    mask=None,
+    bias=None,
 ):
-    """Check the arguments, pad the cache to a multiple of the device count if it must, and
-    plan the call. Returns `(plan, q, k, v, q_offset[batch], kv_length[batch], positions)`."""
+    """Check the arguments, pad the cache (and the mask and bias) to a multiple of the device
+    count if it must, and plan the call. Returns `(plan, q, k, v, q_offset[batch],
+    kv_length[batch], positions, mask, bias)`."""
     dims = check_decode(
         fn,
         q,
@@ -105,6 +119,9 @@ def plan_decode(
         kv_positions=kv_positions,
         scale=scale,
     )
+    window = check_window(fn, local_window_size)
+    mask = check_logits_operand(fn, "mask", mask, dims)
+    bias = check_logits_operand(fn, "bias", bias, dims)
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
@@ -125,6 +142,10 @@ def plan_decode(
         k, v = sharding.pad(k, 1 + dims.seq_axis), sharding.pad(v, 1 + dims.seq_axis)
         if positions is not None:  # padding slots sit beyond any length
             positions = sharding.pad(positions, 1, value=jnp.iinfo(jnp.int32).max)
+        if mask is not None:  # padding slots are hidden (they also sit past any length)
+            mask = sharding.pad(mask, 3, value=False)
+        if bias is not None:
+            bias = sharding.pad(bias, 3)
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
     call = kernel_call(
         local,
@@ -133,6 +154,18 @@ def plan_decode(
         has_length=True,
         q_offset=None,
         has_positions=positions is not None,
+        window=window,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
     )
-    plan = DecodePlan(sharding, local, causal, resolve(fn, backend, call), positions is not None)
-    return plan, q, k, v, offsets, lengths, positions
+    plan = DecodePlan(
+        sharding,
+        local,
+        causal,
+        resolve(fn, backend, call),
+        positions is not None,
+        window=window,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+    )
+    return plan, q, k, v, offsets, lengths, positions, mask, bias

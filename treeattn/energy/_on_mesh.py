@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Dims, compute_dtype, default_scale, visibility
+from .._numerics import Dims, Window, check_window, compute_dtype, default_scale, visibility
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
@@ -36,6 +36,7 @@ class _OnMesh:
     causal: bool
     reduction: Reduction
     zeta_at_zero: bool
+    window: Window | None = None
 
     @property
     def axis_name(self) -> AxisName:
@@ -59,6 +60,7 @@ class _OnMesh:
             mask=a.get("mask"),
             q_offset=a["q_offset"],
             kv_offset=kv_offset,
+            window=self.window,
         )
 
     def static(self):
@@ -112,11 +114,26 @@ _mesh_terms.defvjp(_mesh_terms_fwd, _mesh_terms_bwd)
 
 
 def _setup(
-    fn, q, k, v, zeta, *, mesh, kv_axis, causal, mask, scale, q_offset, reduction, zeta_at_zero
+    fn,
+    q,
+    k,
+    v,
+    zeta,
+    *,
+    mesh,
+    kv_axis,
+    causal,
+    mask,
+    scale,
+    q_offset,
+    reduction,
+    zeta_at_zero,
+    local_window_size=None,
 ):
     """Validate, pad the sequence to a multiple of the device count, and build the config."""
     dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
+    window = check_window(fn, local_window_size)
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     check_reduction(fn, reduction, sharding.axis_name)
     pad = sharding.padding(dims.kv_seq)
@@ -129,7 +146,9 @@ def _setup(
         else:
             mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
-    plan = _OnMesh(sharding, local, default_scale(dims.qk, scale), causal, reduction, zeta_at_zero)
+    plan = _OnMesh(
+        sharding, local, default_scale(dims.qk, scale), causal, reduction, zeta_at_zero, window
+    )
     if zeta is None:
         zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
     args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
@@ -151,6 +170,7 @@ def tree_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
 ) -> Float[Array, ""]:
     r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
 
@@ -159,7 +179,8 @@ def tree_free_energy(
     does not divide evenly is padded with masked keys (so some shards may hold no valid key at
     all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
     differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
-    for every schedule.
+    for every schedule. `local_window_size` is a sliding window by absolute position, as in
+    `multihead_free_energy`.
 
     ```python
     mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -180,6 +201,7 @@ def tree_free_energy(
         q_offset=q_offset,
         reduction=reduction,
         zeta_at_zero=False,
+        local_window_size=local_window_size,
     )
     return _energy(plan, args)
 
@@ -201,6 +223,7 @@ def tree_energy_attention(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of
     [`tree_free_energy`][treeattn.energy.tree_free_energy] in $\zeta$ at $\zeta = 0$.
@@ -226,6 +249,7 @@ def tree_energy_attention(
         q_offset=q_offset,
         reduction=reduction,
         zeta_at_zero=True,
+        local_window_size=local_window_size,
     )
 
     return _attention(plan, args).astype(q.dtype)
