@@ -25,9 +25,7 @@ def tree(p):
 
 
 BACKENDS = ["energy", "reference", "flash", "tree"]
-# The backends that take an arbitrary boolean mask; the fused ones mask by causality and the
-# filled length of a cache only, and refuse one (see test_fused_backends_refuse_a_mask).
-MASK_BACKENDS = ["energy", "reference"]
+MASK_BACKENDS = BACKENDS  # every backend takes an arbitrary boolean mask
 PROJECTIONS = ("query_proj", "key_proj", "value_proj", "output_proj")
 
 
@@ -334,11 +332,3 @@ def test_weights_move_both_ways(backend, getkey):
     )
     into_theirs = transplant(theirs, ours)
     assert_close(into_theirs(x, x, x, mask), ours(x, x, x, mask))
-
-
-@pytest.mark.parametrize("backend", sorted(set(BACKENDS) - set(MASK_BACKENDS)))
-def test_fused_backends_refuse_a_mask(backend, getkey):
-    attn = MultiheadAttention(2, 8, backend=backend_of(backend), key=getkey())
-    x = jax.random.normal(getkey(), (3, 8))
-    with pytest.raises(ValueError, match=f"backend '{backend}' takes no attention mask"):
-        attn(x, x, x, jnp.ones((3, 3), bool))

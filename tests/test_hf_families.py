@@ -33,14 +33,18 @@ CASES = {
         "llama",
         dict(num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True),
     ),
-    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    "mistral-sliding-window": ("mistral", dict(num_key_value_heads=2, sliding_window=5)),
     "qwen2.5-qkv-bias-tied-mqa": (
         "qwen2",
         dict(num_key_value_heads=1, tie_word_embeddings=True),
     ),
     "qwen3-qk-norm-head-dim": ("qwen3", dict(num_key_value_heads=2, head_dim=24)),
 }
-QWEN2, QWEN3 = "qwen2.5-qkv-bias-tied-mqa", "qwen3-qk-norm-head-dim"
+MISTRAL, QWEN2, QWEN3 = (
+    "mistral-sliding-window",
+    "qwen2.5-qkv-bias-tied-mqa",
+    "qwen3-qk-norm-head-dim",
+)
 
 
 def tree(p):
@@ -175,7 +179,7 @@ def rewrite(path, tmp_path, change, drop=()):
             "attention_bias=True is not supported for model_type 'qwen2'",
         ),
         (
-            "mistral",
+            MISTRAL,
             {"attention_bias": True},
             "attention_bias=True is not supported for model_type 'mistral'",
         ),
@@ -184,9 +188,9 @@ def rewrite(path, tmp_path, change, drop=()):
             {"mlp_bias": True},
             "mlp_bias=True is not supported for model_type 'qwen3'",
         ),
-        ("mistral", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        (MISTRAL, {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         (
-            "mistral",
+            MISTRAL,
             {"layer_types": ["full_attention", "sliding_attention"]},
             "layer_types",
         ),
@@ -223,11 +227,3 @@ def test_switches_a_family_lacks_are_refused_on_save():
         config.to_dict()  # ...but has no Llama config.json
     with pytest.raises(ValueError, match="model_type must be one of"):
         LlamaConfig(model_type="gpt2")  # type: ignore[arg-type]
-
-
-def test_mistral_sliding_window_is_not_supported_yet(loaded, tmp_path):
-    _, _, path = loaded("mistral")
-    with pytest.raises(
-        ValueError, match=r"sliding_window=8: sliding-window attention is not supported yet"
-    ):
-        Transformer.from_pretrained(rewrite(path, tmp_path, {"sliding_window": 8}))

@@ -73,6 +73,41 @@ def test_gqa_causal_rotary_cache_equals_full_call(backend, getkey):
     assert int(cache.length) == 11
 
 
+@pytest.mark.parametrize("backend", ["energy", "reference", "flash", "tree"])
+def test_sliding_window_against_numpy_and_through_the_cache(backend, getkey):
+    """`local_window_size=(left, right)`: query i sees keys j with i - left <= j <= i + right
+    (and j <= i when causal), against float64 NumPy; fed through a KV cache in chunks (sharded
+    round-robin for "tree"), a causal window gives the full call's outputs."""
+    be = tree(2) if backend == "tree" else backend
+    x = jax.random.normal(getkey(), (11, 16))
+    i, j = np.arange(11)[:, None], np.arange(11)[None, :]
+    for causal, window in ((True, (3, 0)), (False, (2, 1))):
+        mha = MultiheadAttention(
+            4, 16, num_kv_heads=2, causal=causal, local_window_size=window, backend=be,
+            key=getkey(),
+        )  # fmt: skip
+        heads = [
+            ref.f64(x) @ ref.f64(p.weight).T for p in (mha.query_proj, mha.key_proj, mha.value_proj)
+        ]
+        q, k, v = (h.reshape(11, -1, 4) for h in heads)
+        seen = (i - j <= window[0]) & (j - i <= window[1]) & ((j <= i) | (not causal))
+        expected = (
+            ref.attention(q, k, v, mask=seen).reshape(11, 16) @ ref.f64(mha.output_proj.weight).T
+        )
+        assert ref.rel_err(mha(x, x, x), expected) <= 1e-5, (causal, window)
+    windowed = MultiheadAttention(
+        4, 16, num_kv_heads=2, causal=True, local_window_size=(3, 0), rotary=RotaryEmbedding(4),
+        backend=be, key=getkey(),
+    )  # fmt: skip
+    mesh = mesh_of(2) if backend == "tree" else None
+    cache = KVCache.create(2, 16, 4, mesh=mesh, kv_axis="kv" if mesh else None, block=2)
+    outs = []
+    for chunk in (x[:4], x[4:5], x[5:9], x[9:10], x[10:]):
+        out, cache = windowed(chunk, chunk, chunk, cache=cache)
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs), windowed(x, x, x), rtol=1e-5, atol=1e-6)
+
+
 def test_dropout_is_refused_with_a_cache(getkey):
     """Attention dropout is for training; a KV cache is for inference."""
     mha = MultiheadAttention(2, 8, dropout_p=0.5, key=getkey())

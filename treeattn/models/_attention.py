@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import decode, energy
-from .._numerics import Dims, Layout, visibility
+from .._numerics import Dims, Layout, Window, check_window, visibility
 from .._partials import Reduction
 from ._cache import KVCache
 from ._layers import RMSNorm, RotaryEmbedding
@@ -107,12 +107,14 @@ def attend(
     mask: Bool[Array, ...] | None,
     kv_positions: Array | None,
     backend: AttentionBackend,
+    local_window_size: Window | None = None,
 ) -> Float[Array, "q_seq heads vo"]:
-    """Attention of `q` over keys/values `[kv, kv_heads, d]` (`kv_layout="bshd"`, without the
+    r"""Attention of `q` over keys/values `[kv, kv_heads, d]` (`kv_layout="bshd"`, without the
     batch axis) or head-major `[kv_heads, kv, d]` (`"bhsd"`) on `backend`. Key slot `a` holds
     position `kv_positions[a]` (default `a`); it is visible when that position is below
-    `kv_length` (if given: a partly filled cache) and, if `causal`, not after the query (query
-    `i` sits at `q_offset + i`)."""
+    `kv_length` (if given: a partly filled cache), if `causal`, not after the query (query
+    `i` sits at `q_offset + i`), within `local_window_size = (left, right)` of it
+    ($i - \mathrm{left} \le j \le i + \mathrm{right}$), and where `mask` allows."""
     name = backend.name
     if name in ("energy", "reference"):
         if kv_layout == "bhsd":  # a transposed copy of the cache: these are the checking paths;
@@ -127,6 +129,7 @@ def attend(
             kv_positions=kv_positions,
             kv_length=kv_length,
             mask=mask,
+            window=local_window_size,
         )
         if vis is not None and (vis.shape[0] > 1 or vis.shape[1] > 1):
             # per-head visibility: the energy functions take [heads, q_seq, kv_seq]
@@ -136,12 +139,9 @@ def attend(
             vis = jnp.broadcast_to(vis[0, 0], (dims.q_seq, kv_seq))
         fn = energy.energy_attention if name == "energy" else energy.attention_reference
         return fn(q, k, v, mask=vis)
-    if mask is not None:
-        raise ValueError(
-            f"backend {name!r} takes no attention mask (it masks by kv_length and causality); "
-            "use backend='energy' or 'reference' for arbitrary masks"
-        )
     positions = None if kv_positions is None else kv_positions[None]
+    if mask is not None:  # [batch, #heads, q_seq, kv_seq]
+        mask = mask[None, None] if mask.ndim == 2 else mask[None]
     if name == "flash":
         out, _ = decode.flash_attention(
             q[None],
@@ -153,6 +153,8 @@ def attend(
             backend=backend.kernel,
             kv_layout=kv_layout,
             kv_positions=positions,
+            local_window_size=local_window_size,
+            mask=mask,
         )
         return out[0]
     assert backend.mesh is not None and backend.kv_axis is not None
@@ -169,6 +171,8 @@ def attend(
         reduction=backend.reduction,
         kv_layout=kv_layout,
         kv_positions=positions,
+        local_window_size=local_window_size,
+        mask=mask,
     )
     return out[0]
 
@@ -189,6 +193,10 @@ class MultiheadAttention(eqx.Module):
     - `num_kv_heads`: grouped-query attention (GQA; `1` is MQA). `key_proj` and `value_proj` then
       have `num_kv_heads * qk_size` and `num_kv_heads * vo_size` outputs.
     - `causal`: a causal mask aligned bottom-right by absolute position.
+    - `local_window_size`: a sliding window by absolute position, jax's meaning: `(left, right)`
+      lets the query at position $i$ see keys at $i - \mathrm{left} \le j \le i +
+      \mathrm{right}$ (an int `w` is `(w, w)`); Mistral's `sliding_window=W` is `(W - 1, 0)`
+      with `causal=True`.
     - `rotary`: a [`RotaryEmbedding`][treeattn.models.RotaryEmbedding] applied to queries and keys
       at their absolute positions.
     - `qk_norm_eps`: an [`RMSNorm`][treeattn.models.RMSNorm] with this epsilon over each head of
@@ -237,6 +245,7 @@ class MultiheadAttention(eqx.Module):
     use_output_bias: bool = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
+    local_window_size: Window | None = eqx.field(static=True)
     backend: AttentionBackend = eqx.field(static=True)
 
     def __init__(
@@ -258,6 +267,7 @@ class MultiheadAttention(eqx.Module):
         *,
         num_kv_heads: int | None = None,
         causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
         rotary: RotaryEmbedding | None = None,
         qk_norm_eps: float | None = None,
         backend: str | AttentionBackend = "energy",
@@ -308,6 +318,7 @@ class MultiheadAttention(eqx.Module):
         self.use_query_bias, self.use_key_bias = use_query_bias, use_key_bias
         self.use_value_bias, self.use_output_bias = use_value_bias, use_output_bias
         self.causal = causal
+        self.local_window_size = check_window("MultiheadAttention", local_window_size)
         self.backend = as_backend(backend, mesh, kv_axis)
 
     def _project(self, proj, x, heads):
@@ -391,11 +402,12 @@ class MultiheadAttention(eqx.Module):
                     kv_length=None,
                     # Without causality the alignment of queries to keys is moot; more
                     # queries than keys would give the kernels a negative offset.
-                    q_offset=q_offset if self.causal else 0,
+                    q_offset=q_offset if self.causal or self.local_window_size else 0,
                     causal=self.causal,
                     mask=mask,
                     kv_positions=None,
                     backend=be,
+                    local_window_size=self.local_window_size,
                 )
             new_cache = None
         else:
@@ -421,6 +433,7 @@ class MultiheadAttention(eqx.Module):
                 mask=mask,
                 kv_positions=positions,
                 backend=be,
+                local_window_size=self.local_window_size,
             )
         # In the heads' dtype (a cache may hold another), then projected as Equinox does.
         out = linear(self.output_proj, attn.reshape(q_seq, -1).astype(heads_dtype))
@@ -432,7 +445,9 @@ class MultiheadAttention(eqx.Module):
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
         logits = jnp.einsum("shd,Shd->hsS", q, k).astype(jnp.float32) / jnp.sqrt(self.qk_size)
         dims = Dims(q.shape[0], k.shape[0], self.num_heads, self.num_heads, q.shape[-1], 1)
-        vis = visibility(dims, causal=self.causal, q_offset=q_offset, mask=mask)
+        vis = visibility(
+            dims, causal=self.causal, q_offset=q_offset, mask=mask, window=self.local_window_size
+        )
         visible = jnp.ones(logits.shape, bool) if vis is None else vis.reshape(-1, *vis.shape[2:])
         visible = jnp.broadcast_to(visible, logits.shape)
         logits = jnp.where(visible, logits, -jnp.inf)

@@ -50,7 +50,7 @@ class LlamaConfig:
     - `qk_norm`: an RMSNorm (with `rms_norm_eps`) over each head of the queries and keys,
       before the rotary embedding (Qwen3).
     - `sliding_window`: each query sees itself and the `sliding_window - 1` keys before it
-      (Mistral).
+      (Mistral; `local_window_size=(sliding_window - 1, 0)` in every layer).
     - `tie_word_embeddings`: the output matrix is the embedding matrix.
 
     `model_type` (`"llama"`, `"mistral"`, `"qwen2"` or `"qwen3"`) names the Hugging Face

@@ -32,11 +32,6 @@ class DecoderBlock(eqx.Module):
         k1, k2 = jax.random.split(key)
         c = config
         assert c.head_dim is not None and c.num_key_value_heads is not None  # resolved
-        if c.sliding_window is not None:
-            raise ValueError(
-                f"LlamaConfig: sliding_window={c.sliding_window}: sliding-window attention is "
-                "not supported yet (set sliding_window=None for full causal attention)"
-            )
         rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.self_attn = MultiheadAttention(
@@ -51,6 +46,8 @@ class DecoderBlock(eqx.Module):
             dtype=dtype,
             num_kv_heads=c.num_key_value_heads,
             causal=True,
+            # transformers: query i sees key j when i - sliding_window < j <= i.
+            local_window_size=None if c.sliding_window is None else (c.sliding_window - 1, 0),
             rotary=rotary,
             qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
             backend=backend,
