@@ -15,7 +15,7 @@ from jaxtyping import Array
 from .._numerics import Dims, Layout
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
-from ._checks import check_decode, per_row, positions_per_row
+from ._checks import check_decode, check_shard_lengths, per_row, positions_per_row
 from ._flash import run_kernel
 from ._registry import Backend, Choice, kernel_call, resolve
 
@@ -29,6 +29,7 @@ class DecodePlan:
     causal: bool
     kernel: Choice  # resolved for one shard, per lowering platform
     positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
+    per_shard: bool = False  # lengths are [batch, devices]: each shard's filled slots
 
     @property
     def axis_name(self) -> AxisName:
@@ -47,9 +48,13 @@ class DecodePlan:
 
     def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
         """(q_offset, kv_length) of shard `shard` relative to its first key; unchanged when the
-        keys carry their own positions. A shard past the filled part gets length 0."""
+        keys carry their own positions; the shard's own fill with per-shard lengths (every
+        query sees every filled key: the offset is unused). A shard past the filled part gets
+        length 0."""
         if self.positional:
             return q_offset, kv_length
+        if self.per_shard:
+            return q_offset, jnp.clip(kv_length[:, shard], 0, self.dims.kv_seq)
         start = shard * self.dims.kv_seq
         return q_offset - start, jnp.clip(kv_length - start, 0, self.dims.kv_seq)
 
@@ -91,9 +96,12 @@ def plan_decode(
     backend: Backend | Sequence[Backend],
     kv_positions,
     scale,
+    shard_lengths=None,
 ):
     """Check the arguments, pad the cache to a multiple of the device count if it must, and
-    plan the call. Returns `(plan, q, k, v, q_offset[batch], kv_length[batch], positions)`."""
+    plan the call. Returns `(plan, q, k, v, q_offset[batch], kv_length[batch], positions)`;
+    with `shard_lengths`, the lengths are `[batch, devices]` and the call is planned without
+    causality (every query sees every filled key)."""
     dims = check_decode(
         fn,
         q,
@@ -108,6 +116,18 @@ def plan_decode(
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
+    if shard_lengths is not None:
+        fills = check_shard_lengths(
+            fn,
+            shard_lengths,
+            dims,
+            sharding.devices,
+            causal=causal,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_positions=kv_positions,
+        )
+        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     positions = positions_per_row(kv_positions, dims)
     if positions is None:
@@ -136,3 +156,15 @@ def plan_decode(
     )
     plan = DecodePlan(sharding, local, causal, resolve(fn, backend, call), positions is not None)
     return plan, q, k, v, offsets, lengths, positions
+
+
+def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend):
+    """The plan of a call with per-shard fill lengths: each shard's kernel masks its slots by
+    a length alone, which every fused kernel takes (no positions, no causal mask, no copy)."""
+    lengths = jnp.maximum(fills, 0)  # a traced negative length sees no key
+    local = dataclasses.replace(dims, kv_seq=dims.kv_seq // sharding.devices)
+    call = kernel_call(
+        local, jnp.result_type(q), causal=False, has_length=True, q_offset=None, has_positions=False
+    )
+    plan = DecodePlan(sharding, local, False, resolve(fn, backend, call), False, per_shard=True)
+    return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None

@@ -36,6 +36,7 @@ def ring_decode(
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     """The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
@@ -62,6 +63,7 @@ def ring_decode(
         backend=backend,
         kv_positions=kv_positions,
         scale=scale,
+        shard_lengths=shard_lengths,
     )
     s = default_scale(plan.dims.qk, scale)
     return _ring(plan, q, k, v, offsets, lengths, positions, scale=s)

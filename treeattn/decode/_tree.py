@@ -35,6 +35,7 @@ def tree_decode(
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -59,6 +60,17 @@ def tree_decode(
       for caches whose slots are not in position order — e.g. appended round-robin over the
       devices so that the shards fill evenly; sharded along with K and V (cpu, xla and
       reference kernels).
+    - `shard_lengths`: instead of `kv_length`/`kv_positions`, the number of filled slots at
+      the front of each of the p shards (`[devices]` or `[batch, devices]`, in `kv_axis`
+      order): shard $d$ attends to its slots $a < \ell_d$,
+      $$o = \frac{\sum_d \sum_{a < \ell_d} e^{s\,q\cdot k_{d,a}} v_{d,a}}
+             {\sum_d \sum_{a < \ell_d} e^{s\,q\cdot k_{d,a}}}.$$
+      For calls in which every query sees every filled key (one query after the cache — a
+      decode step, where `causal=True` is allowed — or any non-causal call); a round-robin
+      cache is in position order within each shard, so this is the same attention as its
+      `kv_positions`, told by a length that the fused GPU kernels (cuDNN, Pallas) take.
+      Excludes `kv_length`, `q_offset` and `kv_positions`; `kv_seq` must divide by p. Values
+      must lie in `[0, kv_seq / p]` (checked when concrete; traced ones are clipped).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
@@ -81,6 +93,7 @@ def tree_decode(
         backend=backend,
         kv_positions=kv_positions,
         scale=scale,
+        shard_lengths=shard_lengths,
     )
     s = default_scale(plan.dims.qk, scale)
     return _tree(plan, q, k, v, offsets, lengths, positions, scale=s, reduction=reduction)
