@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Literal, get_args
@@ -176,6 +177,13 @@ def attend(
         shard_lengths=None if shard_lengths is None else shard_lengths[None],
     )
     return out[0]
+
+
+def _tree_devices(backend: AttentionBackend) -> int:
+    """The devices the `"tree"` backend splits a cache over (its shards)."""
+    assert backend.mesh is not None and backend.kv_axis is not None
+    axes = (backend.kv_axis,) if isinstance(backend.kv_axis, str) else backend.kv_axis
+    return math.prod(backend.mesh.shape.get(a, 0) for a in axes)
 
 
 class MultiheadAttention(eqx.Module):
@@ -372,7 +380,12 @@ class MultiheadAttention(eqx.Module):
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
             positions = fills = None
-            if cache.devices > 1 and be.name == "tree" and (q_seq == 1 or not self.causal):
+            if (
+                cache.devices > 1
+                and be.name == "tree"
+                and _tree_devices(be) == cache.devices
+                and (q_seq == 1 or not self.causal)
+            ):
                 # Every query sees every filled key (a decode step): each shard needs only its
                 # fill count, which the fused GPU kernels take (they refuse key positions).
                 fills = new_cache.shard_lengths()
