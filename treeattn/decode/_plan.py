@@ -15,7 +15,13 @@ from jaxtyping import Array
 from .._numerics import Dims, Layout, Window, check_window
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
-from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
+from ._checks import (
+    check_decode,
+    check_logits_operand,
+    check_shard_lengths,
+    per_row,
+    positions_per_row,
+)
 from ._flash import run_kernel
 from ._registry import Backend, Choice, kernel_call, resolve
 
@@ -32,6 +38,7 @@ class DecodePlan:
     window: Window | None = None  # a sliding window by absolute position
     has_mask: bool = False  # a mask [batch, #heads, #q_seq, kv_seq], sharded with K/V
     has_bias: bool = False  # a bias, the same
+    per_shard: bool = False  # lengths are [batch, devices]: each shard's filled slots
 
     @property
     def axis_name(self) -> AxisName:
@@ -52,9 +59,13 @@ class DecodePlan:
 
     def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
         """(q_offset, kv_length) of shard `shard` relative to its first key; unchanged when the
-        keys carry their own positions. A shard past the filled part gets length 0."""
+        keys carry their own positions; the shard's own fill with per-shard lengths (every
+        query sees every filled key: the offset is unused). A shard past the filled part gets
+        length 0."""
         if self.positional:
             return q_offset, kv_length
+        if self.per_shard:
+            return q_offset, jnp.clip(kv_length[:, shard], 0, self.dims.kv_seq)
         start = shard * self.dims.kv_seq
         return q_offset - start, jnp.clip(kv_length - start, 0, self.dims.kv_seq)
 
@@ -104,10 +115,13 @@ def plan_decode(
     local_window_size=None,
     mask=None,
     bias=None,
+    shard_lengths=None,
 ):
     """Check the arguments, pad the cache (and the mask and bias) to a multiple of the device
     count if it must, and plan the call. Returns `(plan, q, k, v, q_offset[batch],
-    kv_length[batch], positions, mask, bias)`."""
+    kv_length[batch], positions, mask, bias)`; with `shard_lengths`, the lengths are
+    `[batch, devices]` and the call is planned without causality (every query sees every
+    filled key)."""
     dims = check_decode(
         fn,
         q,
@@ -125,6 +139,23 @@ def plan_decode(
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
+    if shard_lengths is not None:
+        if window is not None:
+            raise ValueError(
+                f"{fn}: local_window_size needs the keys' positions and shard_lengths gives "
+                "none; pass kv_positions and kv_length for a windowed call"
+            )
+        fills = check_shard_lengths(
+            fn,
+            shard_lengths,
+            dims,
+            sharding.devices,
+            causal=causal,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_positions=kv_positions,
+        )
+        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     positions = positions_per_row(kv_positions, dims)
     if positions is None:
@@ -169,3 +200,31 @@ def plan_decode(
         has_bias=bias is not None,
     )
     return plan, q, k, v, offsets, lengths, positions, mask, bias
+
+
+def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias):
+    """The plan of a call with per-shard fill lengths: each shard's kernel masks its slots by
+    a length alone, which every fused kernel takes (no positions, no causal mask, no copy)."""
+    lengths = jnp.maximum(fills, 0)  # a traced negative length sees no key
+    local = dataclasses.replace(dims, kv_seq=dims.kv_seq // sharding.devices)
+    call = kernel_call(
+        local,
+        jnp.result_type(q),
+        causal=False,
+        has_length=True,
+        q_offset=None,
+        has_positions=False,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+    )
+    plan = DecodePlan(
+        sharding,
+        local,
+        False,
+        resolve(fn, backend, call),
+        False,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+        per_shard=True,
+    )
+    return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None, mask, bias

@@ -39,6 +39,7 @@ def ring_decode(
     local_window_size: int | tuple[int, int] | None = None,
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     """The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
@@ -68,6 +69,7 @@ def ring_decode(
         local_window_size=local_window_size,
         mask=mask,
         bias=bias,
+        shard_lengths=shard_lengths,
     )
     s = default_scale(plan.dims.qk, scale)
     return _ring(plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s)

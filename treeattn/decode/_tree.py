@@ -38,6 +38,7 @@ def tree_decode(
     local_window_size: int | tuple[int, int] | None = None,
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -66,6 +67,17 @@ def tree_decode(
       to `[batch, heads, q_seq, kv_seq]`, `kv_seq` the whole cache's). The window is by
       absolute position, so each shard applies it to its own keys; the mask and bias are split
       along `kv_seq` with the cache (padded with hidden slots when the cache is).
+    - `shard_lengths`: instead of `kv_length`/`kv_positions`, the number of filled slots at
+      the front of each of the p shards (`[devices]` or `[batch, devices]`, in `kv_axis`
+      order): shard $d$ attends to its slots $a < \ell_d$,
+      $$o = \frac{\sum_d \sum_{a < \ell_d} e^{s\,q\cdot k_{d,a}} v_{d,a}}
+             {\sum_d \sum_{a < \ell_d} e^{s\,q\cdot k_{d,a}}}.$$
+      For calls in which every query sees every filled key (one query after the cache — a
+      decode step, where `causal=True` is allowed — or any non-causal call); a round-robin
+      cache is in position order within each shard, so this is the same attention as its
+      `kv_positions`, told by a length that the fused GPU kernels (cuDNN, Pallas) take.
+      Excludes `kv_length`, `q_offset` and `kv_positions`; `kv_seq` must divide by p. Values
+      must lie in `[0, kv_seq / p]` (checked when concrete; traced ones are clipped).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
@@ -91,6 +103,7 @@ def tree_decode(
         local_window_size=local_window_size,
         mask=mask,
         bias=bias,
+        shard_lengths=shard_lengths,
     )
     s = default_scale(plan.dims.qk, scale)
     return _tree(

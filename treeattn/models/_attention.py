@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Literal, get_args
@@ -107,6 +108,7 @@ def attend(
     mask: Bool[Array, ...] | None,
     kv_positions: Array | None,
     backend: AttentionBackend,
+    shard_lengths: Int[Array, " devices"] | None = None,
     local_window_size: Window | None = None,
 ) -> Float[Array, "q_seq heads vo"]:
     r"""Attention of `q` over keys/values `[kv, kv_heads, d]` (`kv_layout="bshd"`, without the
@@ -114,7 +116,9 @@ def attend(
     position `kv_positions[a]` (default `a`); it is visible when that position is below
     `kv_length` (if given: a partly filled cache), if `causal`, not after the query (query
     `i` sits at `q_offset + i`), within `local_window_size = (left, right)` of it
-    ($i - \mathrm{left} \le j \le i + \mathrm{right}$), and where `mask` allows."""
+    ($i - \mathrm{left} \le j \le i + \mathrm{right}$), and where `mask` allows. For
+    `"tree"`, `shard_lengths` (the filled slots of each shard of a round-robin cache) replaces
+    `kv_length`, `q_offset` and positions where every query sees every filled key."""
     name = backend.name
     if name in ("energy", "reference"):
         if kv_layout == "bhsd":  # a transposed copy of the cache: these are the checking paths;
@@ -158,23 +162,32 @@ def attend(
         )
         return out[0]
     assert backend.mesh is not None and backend.kv_axis is not None
+    per_shard = shard_lengths is not None
     out = decode.tree_decode(
         q[None],
         k[None],
         v[None],
         mesh=backend.mesh,
         kv_axis=backend.kv_axis,
-        kv_length=kv_length,
+        kv_length=None if per_shard else kv_length,
         causal=causal,
-        q_offset=q_offset,
+        q_offset=None if per_shard else q_offset,
         backend=backend.kernel,
         reduction=backend.reduction,
         kv_layout=kv_layout,
         kv_positions=positions,
+        shard_lengths=None if shard_lengths is None else shard_lengths[None],
         local_window_size=local_window_size,
         mask=mask,
     )
     return out[0]
+
+
+def _tree_devices(backend: AttentionBackend) -> int:
+    """The devices the `"tree"` backend splits a cache over (its shards)."""
+    assert backend.mesh is not None and backend.kv_axis is not None
+    axes = (backend.kv_axis,) if isinstance(backend.kv_axis, str) else backend.kv_axis
+    return math.prod(backend.mesh.shape.get(a, 0) for a in axes)
 
 
 def linear(proj: eqx.nn.Linear, x: Array) -> Array:
@@ -421,7 +434,19 @@ class MultiheadAttention(eqx.Module):
             new_cache = cache.append(k, v)
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
-            positions = None if cache.devices == 1 else jnp.asarray(cache.positions(), jnp.int32)
+            positions = fills = None
+            if (
+                cache.devices > 1
+                and be.name == "tree"
+                and _tree_devices(be) == cache.devices
+                and (q_seq == 1 or not self.causal)
+                and self.local_window_size is None
+            ):
+                # Every query sees every filled key (a decode step): each shard needs only its
+                # fill count, which the fused GPU kernels take (they refuse key positions).
+                fills = new_cache.shard_lengths()
+            elif cache.devices > 1:
+                positions = jnp.asarray(cache.positions(), jnp.int32)
             attn = attend(
                 q,
                 new_cache.k,
@@ -433,6 +458,7 @@ class MultiheadAttention(eqx.Module):
                 mask=mask,
                 kv_positions=positions,
                 backend=be,
+                shard_lengths=fills,
                 local_window_size=self.local_window_size,
             )
         # In the heads' dtype (a cache may hold another), then projected as Equinox does.
