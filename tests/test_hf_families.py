@@ -227,3 +227,27 @@ def test_switches_a_family_lacks_are_refused_on_save():
         config.to_dict()  # ...but has no Llama config.json
     with pytest.raises(ValueError, match="model_type must be one of"):
         LlamaConfig(model_type="gpt2")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_missing_keys_take_the_defaults_of_transformers(family):
+    """A `config.json` that leaves out a key means the default of the family's config class in
+    transformers (e.g. `rms_norm_eps`: 1e-6 for every family, where `LlamaConfig()` has 1e-5)."""
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    sizes = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    config = LlamaConfig.from_dict({"model_type": family, **sizes})
+    assert config.rms_norm_eps == cls(**sizes).rms_norm_eps

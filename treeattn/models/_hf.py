@@ -57,7 +57,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {},
+    "llama": {"rms_norm_eps": 1e-6},
     "mistral": {"rms_norm_eps": 1e-6, "sliding_window": 4096},
     "qwen2": {"rms_norm_eps": 1e-6},
     "qwen3": {"rms_norm_eps": 1e-6, "head_dim": 128},
