@@ -112,10 +112,8 @@ GRID = [
     (None, jnp.bfloat16, 1, False),
     ("cpu", jnp.bfloat16, 2, True),
     ("xla", jnp.bfloat16, 4, False),
-    (None, jnp.float16, 2, False),
-    ("xla", jnp.float16, 1, True),
+    ("xla", jnp.float16, 2, True),
     ("cpu", jnp.float32, 4, False),
-    ("xla", jnp.float32, 2, False),
     ("reference", jnp.float32, 1, True),
 ]
 
@@ -162,11 +160,9 @@ def test_unbatched_shapes_scale_and_value_dim(getkey):
 
 MASK_MODES = [
     ("bias",),
-    ("causal",),
     ("padding",),
     ("custom",),
     ("causal", "padding"),
-    ("custom", "padding"),
     ("bias", "causal"),
     ("causal", "sliding_window"),
     ("sliding_window",),
@@ -175,10 +171,8 @@ MASK_MODES = [
 
 
 MASK_CASES = [("xla", mode) for mode in MASK_MODES] + [
-    ("reference", ("bias", "causal")),
     ("reference", ("custom", "padding")),
     ("cpu", ("causal", "sliding_window")),
-    ("cpu", ("causal", "padding")),
     ("cpu", ("bias",)),
 ]
 
@@ -244,7 +238,7 @@ def test_mask_modes_match_jax(impl, mask_mode, getkey):
 
 
 @pytest.mark.parametrize(
-    "impl, window", [("xla", 1), ("cpu", (2, 0)), ("reference", (0, 3)), ("cpu", (4, 1))], ids=str
+    "impl, window", [("xla", 1), ("cpu", (2, 0)), ("reference", (4, 1))], ids=str
 )
 def test_windows_match_numpy_float32(impl, window, getkey):
     """Sliding windows by position, with and without causality, GQA, T != S, float32 against
@@ -300,11 +294,9 @@ def test_bias_gradient_matches_jax(batch_size, use_vmap, getkey):
     close(got, want, 0.1)
 
 
-def test_bias_gradient_float32_against_reference_and_finite_differences(getkey):
+def test_bias_gradient_float32_against_reference(getkey):
     """In float32 the fused backward's bias gradient equals JAX's differentiation of the
-    reference twin, broadcast axes summed; checked in float64 by finite differences."""
-    from jax.test_util import check_grads
-
+    reference twin (the logits written out), broadcast axes summed."""
     q, k, v, _, kb = make(getkey(), 2, 6, 10, 4, 2, 8, jnp.float32)
     bias = jax.random.normal(kb, (4, 1, 10))
 
@@ -315,13 +307,6 @@ def test_bias_gradient_float32_against_reference_and_finite_differences(getkey):
     got = jax.grad(functools.partial(loss, "xla"))(bias)
     want = jax.grad(functools.partial(loss, "reference"))(bias)
     close(got, want, 1e-5)
-    with jax.enable_x64(True):
-        q64, k64, v64, b64 = (x.astype(jnp.float64) for x in (q, k, v, bias))
-
-        def f(b):
-            return dot_product_attention(q64, k64, v64, b, implementation="xla")
-
-        check_grads(f, (b64,), order=1, modes=("rev",), eps=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,16 +337,13 @@ def test_rows_that_see_no_key(impl, dtype, getkey):
     for b, t in ((0, 1), (1, 2)):
         assert not np.any(np.asarray(zero[b, t])) and np.all(np.isneginf(lse0[b, t]))
         close(out[b, t], jnp.broadcast_to(jnp.mean(v[b].astype(jnp.float32), 0), (2, 8)), 1e-2)
-    for mode in ("average", "zero"):
-        grads = jax.grad(
-            lambda q, k, v, mode=mode: jnp.sum(
-                dot_product_attention(
-                    q, k, v, mask=mask, implementation=impl, empty_rows=mode
-                ).astype(jnp.float32)
-            ),
-            argnums=(0, 1, 2),
-        )(q, k, v)
-        assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
+    grads = jax.grad(
+        lambda q, k, v: jnp.sum(
+            dot_product_attention(q, k, v, mask=mask, implementation=impl).astype(jnp.float32)
+        ),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
     with pytest.raises(ValueError, match="empty_rows"):
         dot_product_attention(q, k, v, empty_rows="nan")
 

@@ -225,10 +225,12 @@ def xla_forward(
 
     - no row sees a key (a shard past the filled part of a cache): no work, `(0, -inf)`;
     - every key is seen by some row and the logits fit LOGITS_BUDGET (a full cache, a
-      prefill): one block, all logits at once (XLA's matrix products, no loop);
+      prefill; no sliding window): one block, all logits at once (XLA's matrix products, no
+      loop);
     - otherwise (a partly filled cache): an online softmax over blocks of keys, each block's
-      `(out, lse)` merged with `merge_partials`; blocks past the filled length are not visited
-      and the unfilled keys of the last one are masked out of the values (they may hold NaN).
+      `(out, lse)` merged with `merge_partials`; blocks past the filled length, or outside
+      every query's sliding window, are not visited and the unfilled keys of the last one are
+      masked out of the values (they may hold NaN).
     """
     blocked = functools.partial(_xla_row, dims=dims, scale=scale, block=block_size(dims, block))
     limit = _limit(dims, q_offset, kv_length, causal, window)
@@ -240,7 +242,9 @@ def xla_forward(
     ]
     case = jnp.where(jnp.any(first_pos < limit), 1, 0)
     dense_fits = dims.kv_heads * dims.rows * dims.kv_seq <= LOGITS_BUDGET or block is not None
-    if kv_pos is None and dense_fits and (block is None or block >= dims.kv_seq):
+    # A sliding window reads only the blocks it overlaps: the blockwise loop, not all logits.
+    dense_ok = kv_pos is None and window is None
+    if dense_ok and dense_fits and (block is None or block >= dims.kv_seq):
         dense = functools.partial(_dense_row, dims=dims, scale=scale)
         branches.append(lambda: jax.vmap(dense)(q, k, v, rows))
         case = jnp.where(jnp.all(limit >= dims.kv_seq), 2, case)
