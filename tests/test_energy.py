@@ -167,7 +167,8 @@ def test_causal_free_energy_bottom_right(q_offset, getkey):
         q[:, None], k[:, None], v[:, None], zeta[:, None], causal=True, q_offset=q_offset
     ).sum()
     f = causal_free_energy(q, k, v, zeta, q_offset=q_offset)
-    np.testing.assert_allclose(f, expected, rtol=1e-6)
+    # A sum of free energies may cancel to near 0: float32 rounding is absolute there.
+    np.testing.assert_allclose(f, expected, rtol=1e-6, atol=1e-5)
     grad = jax.grad(causal_free_energy, argnums=3)(q, k, v, jnp.zeros_like(zeta), q_offset=q_offset)
     out = ref.attention(q[:, None], k[:, None], v[:, None], causal=True, q_offset=q_offset)
     np.testing.assert_allclose(grad, out[:, 0], rtol=1e-5, atol=1e-6)
