@@ -34,6 +34,7 @@ from .._numerics import (
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, dims_of
+from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
 
 
 Tilt = Callable[[Array, Array], Array]
@@ -150,6 +151,7 @@ def free_energy(
     *,
     mask: Bool[Array, " kv"] | None = None,
     scale: float | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The free energy of one query (eq. 15).
 
@@ -165,6 +167,7 @@ def free_energy(
     - `zeta`: the source $\zeta$, `[dv]`.
     - `mask`: optional boolean `[kv]`, True where the key is visible.
     - `scale`: $s$, default $1/\sqrt{qk}$.
+    - `energy`: the [`Energy`][treeattn.energy.Energy], default `Softmax()` (the formula above).
 
     **Returns:** the scalar $F$ in float32 (float64 for float64 inputs). With no visible key the
     partition function is empty and $F = -\infty$; its derivatives are 0.
@@ -196,6 +199,7 @@ def free_energy(
         mask=None if mask is None else jnp.asarray(mask)[None],
         scale=scale,
         q_offset=0,
+        energy=energy,
     )
     return f
 
@@ -208,6 +212,7 @@ def causal_free_energy(
     *,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The causal free energy $F_\mathrm{tot}$ of eq. (16), one source per query.
 
@@ -220,7 +225,8 @@ def causal_free_energy(
     only key 0). `q_offset` may be traced, so a decode loop does not recompile.
 
     **Arguments:** `q[q_seq, qk]`, `k[kv_seq, qk]`, `v[kv_seq, dv]`, `zeta[q_seq, dv]`, `scale`
-    (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array).
+    (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array), `energy` (default
+    `Softmax()`).
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs).
     """
@@ -243,6 +249,7 @@ def causal_free_energy(
         mask=None,
         scale=scale,
         q_offset=q_offset,
+        energy=energy,
     )
 
 
@@ -256,6 +263,7 @@ def multihead_free_energy(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of eqs. (18-19), with grouped key/value heads.
 
@@ -273,6 +281,7 @@ def multihead_free_energy(
     - `mask`: boolean `[q_seq, kv_seq]` (all heads) or `[heads, q_seq, kv_seq]`; True = visible.
       Combined with `causal` by "and".
     - `scale`: default $1/\sqrt{qk}$. `q_offset`: position of query 0 (int or traced scalar).
+    - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
@@ -288,12 +297,19 @@ def multihead_free_energy(
         mask=mask,
         scale=scale,
         q_offset=q_offset,
+        energy=energy,
     )
 
 
-def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset) -> Array:
+def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset, energy) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
+    check_energy(fn, energy)
+    if not is_plain_softmax(energy):
+        from ._generic import total_energy
+
+        q_pos = as_position(q_offset)
+        return total_energy(energy, q, k, v, zeta, mask, q_pos, causal=causal, scale=scale)
     return _total_energy(q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale)
 
 
@@ -320,6 +336,7 @@ def energy_attention(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
 
@@ -333,7 +350,8 @@ def energy_attention(
     q, k and v (a second derivative of $F$), so models train through it.
 
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
-    `zeta`.
+    `zeta`. With another `energy`, the output is that energy's $\partial F/\partial\zeta$ at 0
+    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]).
 
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs (arithmetic in float32 or
     wider). A query with no visible key gets 0.
@@ -346,6 +364,12 @@ def energy_attention(
     """
     check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
     check_q_offset("energy_attention", q_offset)
+    check_energy("energy_attention", energy)
+    if not is_plain_softmax(energy):
+        from ._generic import attention
+
+        q_pos = as_position(q_offset)
+        return attention(energy, q, k, v, mask, q_pos, causal=causal, scale=scale)
     return _energy_attention(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
 
 

@@ -22,6 +22,7 @@ from .._numerics import Dims, compute_dtype, default_scale, visibility
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
+from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
 from ._sharded import _float0_like, _like, _local_grads, _local_terms
 
 
@@ -151,6 +152,7 @@ def tree_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
 
@@ -159,7 +161,7 @@ def tree_free_energy(
     does not divide evenly is padded with masked keys (so some shards may hold no valid key at
     all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
     differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
-    for every schedule.
+    for every schedule. Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
 
     ```python
     mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -181,7 +183,27 @@ def tree_free_energy(
         reduction=reduction,
         zeta_at_zero=False,
     )
+    check_energy("tree_free_energy", energy)
+    if not is_plain_softmax(energy):
+        from ._generic import mesh_total
+
+        return mesh_total(_generic_plan(plan, k, args), energy, args)
     return _energy(plan, args)
+
+
+def _generic_plan(plan: _OnMesh, k, args: dict):
+    from ._generic import on_mesh_plan
+
+    return on_mesh_plan(
+        plan.sharding,
+        plan.local,
+        k.shape[0],
+        plan.scale,
+        plan.causal,
+        plan.reduction,
+        plan.zeta_at_zero,
+        "mask" in args,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -201,6 +223,7 @@ def tree_energy_attention(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of
     [`tree_free_energy`][treeattn.energy.tree_free_energy] in $\zeta$ at $\zeta = 0$.
@@ -227,7 +250,11 @@ def tree_energy_attention(
         reduction=reduction,
         zeta_at_zero=True,
     )
+    check_energy("tree_energy_attention", energy)
+    if not is_plain_softmax(energy):
+        from ._generic import mesh_attention
 
+        return mesh_attention(_generic_plan(plan, k, args), energy, args).astype(q.dtype)
     return _attention(plan, args).astype(q.dtype)
 
 
