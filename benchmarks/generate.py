@@ -1,39 +1,169 @@
-"""Generation throughput: treeattn.models.generate vs transformers on CPU torch, same weights.
+"""Generation: treeattn against transformers, and a model's decode step against its floor.
 
-    python benchmarks/generate.py                 # the shipped checkpoint, batch 1 and 8
-    python benchmarks/generate.py --random-model  # a random Llama of 4 layers x 256, vocab 1000
+    python benchmarks/generate.py                  # throughput: shipped checkpoint, batch 1 and 8
+    python benchmarks/generate.py --random-model   # a random Llama of 4 layers x 256, vocab 1000
+    python benchmarks/generate.py --static         # + transformers static cache, torch.compile
+    python benchmarks/generate.py --mode floor     # the model-level floor, 12 x 768 Llama:
+        --dtypes float32 bfloat16 --batch 1 8 --contexts 1024 8192 32768 [--hf [--static]]
+    python benchmarks/generate.py --quick          # both modes at tiny sizes, seconds
 
-Prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once (compile time
-reported apart); transformers' `generate` gets a warm-up call; then both are timed in
-interleaved rounds (medians). Both run on
-this machine's CPU cores in the same run; the target is >= 3x transformers' tokens per second
-at batch 1 with identical greedy tokens.
+**throughput**: prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once
+(compile time reported apart); transformers' `generate` gets a warm-up call; then both are
+timed in interleaved rounds (medians), on this machine's CPU cores in the same run. Target:
+>= 3x transformers' tokens per second at batch 1 with identical greedy tokens.
+
+**floor**: a Llama-style decoder of 12 layers x 768 (12 heads of 64, GQA 3:1, SwiGLU 2048,
+vocab 32000; ~125M parameters), random weights. A decode step must read every weight and
+every filled cache entry once: its floor is (bytes of the weights + bytes of the filled cache
+of every row) divided by the bandwidth of a streaming read of as many bytes, timed in the same
+run (a `sum` XLA streams). The step is the model on one new token per row over a cache filled
+to the context (random slots: the cost does not depend on what they hold), layers unstacked,
+cache donated; a batch of rows is `jax.vmap` over one cache per row, as `generate` runs it.
+Rounds of step and floor interleave; medians. `--hf` adds generation against transformers with
+these weights (saved with `save_pretrained`); identical tokens are checked against the argmax of
+transformers' own full forward.
+
+**transformers**: eager with its dynamic cache, and with `--static` also with a static cache
+(`cache_implementation="static"`) under `torch.compile`; where that cannot run on this machine
+the JSON records why instead of failing.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import statistics
 import tempfile
 import time
+import traceback
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--mode", choices=["throughput", "floor", "all"], default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, both modes, seconds")
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
+    parser.add_argument("--prompt", type=int, default=None)
+    parser.add_argument("--new", type=int, default=None)
+    parser.add_argument(
+        "--repeats", "--rounds", type=int, default=None, help="timed rounds (medians)"
+    )
     parser.add_argument("--backend", default="flash", help="treeattn attention backend")
-    parser.add_argument("--random-model", action="store_true")
+    parser.add_argument("--random-model", action="store_true", help="throughput: 4 x 256 Llama")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--hf", action="store_true", help="floor: also generate against HF")
+    parser.add_argument("--static", action="store_true", help="HF static cache + torch.compile")
+    parser.add_argument("--name", default=None, help="JSON name under results/")
+    parser.add_argument(
+        "--max-gb", type=float, default=8.0, help="floor: skip cases needing more memory"
+    )
     args = parser.parse_args()
+    mode = args.mode or ("all" if args.quick else "throughput")
+    if args.quick:
+        args.contexts = [256] if args.contexts == [1024, 8192, 32768] else args.contexts
+    args.repeats = args.repeats or (2 if args.quick else 7)
 
+    import jax
+    from _common import machine, write_json
+
+    payload: dict = {"machine": machine(), "args": vars(args), "mode": mode}
+    if mode in ("throughput", "all"):
+        payload["throughput"] = throughput(args)
+    if mode in ("floor", "all"):
+        payload["floor"] = floor(args)
+    name = args.name or ("generate_quick" if args.quick else f"generate_{mode}")
+    if name == "generate_throughput":
+        name = "generate"
+    path = write_json(name, payload)
+    print(f"\nwrote {path}")
+    del jax
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers, eager and compiled
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_model(model):
+    """The same weights as a `transformers.LlamaForCausalLM` (through `save_pretrained`)."""
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+def hf_generators(hf, new: int, static: bool) -> dict:
+    """Greedy generation with transformers: `{"eager": fn}` (dynamic cache) and, with
+    `static`, `"static_compiled"` (a static cache with `torch.compile`), or the reason it
+    cannot run here in place of the function (a string)."""
+    import torch
+
+    def run(ids, model=hf, **kw):
+        with torch.no_grad():
+            # An explicit mask: without one, transformers masks every prompt token equal to
+            # pad_token_id.
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=0,
+                **kw,
+            )
+
+    out: dict = {"eager": run}
+    if static:
+        # A copy of its own, so that the eager model stays eager. The forward is compiled on
+        # its first call, once per shape: the static cache keeps its shapes from step to step.
+        compiled = copy.deepcopy(hf)
+        compiled.forward = torch.compile(compiled.forward, fullgraph=True)
+        out["static_compiled"] = functools.partial(
+            run, model=compiled, cache_implementation="static"
+        )
+    return out
+
+
+def timed_rounds(fns: dict, repeats: int) -> dict:
+    """Medians of `repeats` interleaved rounds of each function (already warmed up)."""
+    times: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def warm(name: str, fn, failures: dict):
+    """Call `fn` once (compile, warm-up); on failure record why and return None."""
+    try:
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start
+    except Exception as e:  # torch.compile needs a C++ toolchain, inductor support...
+        failures[name] = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+        failures[name + "_traceback"] = traceback.format_exc(limit=3)[-2000:]
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# throughput: generate against transformers on a small model
+# ---------------------------------------------------------------------------------------------
+
+
+def throughput(args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
     import transformers
-    from _common import machine, write_json
+    from _common import machine
 
     from treeattn.models import (
         CHECKPOINTS,
@@ -44,105 +174,257 @@ def main() -> None:
         load_text,
     )
 
+    batches = args.batch or ([1, 2] if args.quick else [1, 8])
+    n_prompt = args.prompt or (32 if args.quick else 512)
+    new = args.new or (8 if args.quick else 128)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.random_model:
+    if args.random_model or args.quick:
         config = LlamaConfig(
             vocab_size=1000,
             hidden_size=256,
             intermediate_size=688,
-            num_hidden_layers=4,
+            num_hidden_layers=2 if args.quick else 4,
             num_attention_heads=8,
             num_key_value_heads=4,
             max_position_embeddings=1024,
         )
         model = Transformer(config, key=jax.random.key(0))
         rng = np.random.default_rng(0)
-        prompts = rng.integers(0, config.vocab_size, (max(args.batch), args.prompt))
-        name = "random Llama (4 x 256, GQA 8/4, vocab 1000)"
+        prompts = rng.integers(0, config.vocab_size, (max(batches), n_prompt))
+        name = f"random Llama ({config.num_hidden_layers} x 256, GQA 8/4, vocab 1000)"
     else:
         path = CHECKPOINTS / "sonnets"
         model = Transformer.from_pretrained(path)
         tokenizer = CharTokenizer.load(path)
         ids = tokenizer.encode(load_text("sonnets.txt"))
-        starts = np.linspace(0, len(ids) - args.prompt - 1, max(args.batch)).astype(int)
-        prompts = np.stack([ids[s : s + args.prompt] for s in starts])
+        starts = np.linspace(0, len(ids) - n_prompt - 1, max(batches)).astype(int)
+        prompts = np.stack([ids[s : s + n_prompt] for s in starts])
         name = "shipped sonnets checkpoint (4 x 128, GQA 4/2, vocab 62)"
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        hf = transformers.LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
-
+    hf = hf_model(model)
     print(
         f"machine: {machine()}; torch {torch.__version__} ({torch.get_num_threads()} "
         f"threads), transformers {transformers.__version__}"
     )
     print(
-        f"model: {name}; prompt {args.prompt}, {args.new} new tokens, greedy; "
+        f"model: {name}; prompt {n_prompt}, {new} new tokens, greedy; "
         f"treeattn backend {args.backend!r}\n"
     )
+    rows, failures = compare(args, model, hf, prompts, batches, new, generate, jnp)
+    return {"model": name, "prompt": n_prompt, "new": new, "rows": rows, "hf_failures": failures}
+
+
+def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list, dict]:
+    """treeattn's `generate` against transformers (eager; static + compiled with --static)
+    at each batch size: tokens/s in interleaved rounds, and identical greedy tokens."""
+    import jax
+    import numpy as np
+    import torch
+
+    kinds = ["eager"] + (["static_compiled"] if args.static else [])
     header = (
-        f"{'batch':>5} {'treeattn tok/s':>15} {'transformers tok/s':>19} {'ratio':>7} "
-        f"{'compile':>8} {'identical tokens':>17}"
+        f"{'batch':>5} {'treeattn tok/s':>15} "
+        + " ".join(f"{'HF ' + k + ' tok/s':>24}" for k in kinds)
+        + f" {'vs fastest HF':>13} {'compile':>8} {'same tokens':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows, failures = [], {}
+    n_prompt = prompts.shape[1]
+    gens = hf_generators(hf, new, args.static)
+    for batch in batches:
+        p = jnp.asarray(prompts[:batch], jnp.int32)
+        ids = torch.tensor(np.asarray(prompts[:batch]))
+
+        def ours(p=p):
+            return jax.block_until_ready(
+                generate(model, p, max_new_tokens=new, backend=args.backend)
+            )
+
+        fns = {"treeattn": ours}
+        start = time.perf_counter()
+        out = ours()  # compiles
+        first = time.perf_counter() - start
+        compile_hf = {}
+        for kind in kinds:
+            run = functools.partial(gens[kind], ids)
+            warmed = warm(f"{kind}_batch{batch}", run, failures)
+            if warmed is not None:
+                fns[kind] = run
+                compile_hf[kind] = warmed[1]
+        medians = timed_rounds(fns, args.repeats)
+        # Greedy tokens checked against the argmax of transformers' own full forward.
+        with torch.no_grad():
+            full = hf(torch.tensor(np.asarray(out))).logits[:, n_prompt - 1 : -1].argmax(-1)
+        same = bool(np.array_equal(full.numpy(), np.asarray(out)[:, n_prompt:]))
+        rate = {k: batch * new / t for k, t in medians.items()}
+        fastest = max((rate[k] for k in kinds if k in rate), default=float("nan"))
+        row = {
+            "batch": batch,
+            "treeattn_tokens_per_s": rate["treeattn"],
+            **{f"transformers_{k}_tokens_per_s": rate.get(k) for k in kinds},
+            "ratio_vs_fastest_transformers": rate["treeattn"] / fastest,
+            "compile_s": first - medians["treeattn"],
+            "transformers_first_call_s": compile_hf,
+            "identical_to_transformers_forward": same,
+        }
+        rows.append(row)
+        cols = " ".join(
+            f"{rate[k]:>24.1f}" if k in rate else f"{'failed (see JSON)':>24}" for k in kinds
+        )
+        print(
+            f"{batch:>5} {rate['treeattn']:>15.1f} {cols} "
+            f"{row['ratio_vs_fastest_transformers']:>12.2f}x {row['compile_s']:>7.1f}s "
+            f"{str(same):>12}"
+        )
+    for k, why in failures.items():
+        if not k.endswith("_traceback"):
+            print(f"transformers {k}: {why}")
+    print("tokens/s count new tokens only (the prompt's prefill time included)")
+    return rows, failures
+
+
+# ---------------------------------------------------------------------------------------------
+# floor: a model's decode step against reading its weights and filled cache once
+# ---------------------------------------------------------------------------------------------
+
+
+def floor(args) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from treeattn.models import (
+        AttentionBackend,
+        KVCache,
+        LlamaConfig,
+        Transformer,
+        generate,
+    )
+
+    if args.quick:
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max(args.contexts) + 64,
+        )
+    else:
+        config = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            max_position_embeddings=max(args.contexts) + 64,
+        )
+    batches = args.batch or ([1, 2] if args.quick else [1, 8])
+    backend = AttentionBackend(args.backend)
+    n, kv_heads, head = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    assert kv_heads is not None and head is not None
+
+    @functools.partial(jax.jit, static_argnames="static", donate_argnames="cache")
+    def step(params, static, tokens, cache):
+        model = eqx.combine(params, static)
+        return jax.vmap(lambda t, c: model(t[None], c, backend=backend))(tokens, cache)
+
+    read = jax.jit(jnp.sum)
+    print(
+        f"\nfloor: Llama {n} x {config.hidden_size} (heads {config.num_attention_heads}/"
+        f"{kv_heads} of {head}, vocab {config.vocab_size}); backend {args.backend!r}"
+    )
+    header = (
+        f"{'dtype':<9} {'batch':>5} {'context':>7} {'weights MB':>10} {'cache MB':>9} "
+        f"{'floor':>9} {'step':>9} {'step/floor':>10} {'GB/s read':>9}"
     )
     print(header)
     print("-" * len(header))
     rows = []
-    for batch in args.batch:
-        p = jnp.asarray(prompts[:batch], jnp.int32)
-
-        def ours(p=p):
-            return jax.block_until_ready(
-                generate(model, p, max_new_tokens=args.new, backend=args.backend)
-            )
-
-        def theirs(p=p):
-            ids = torch.tensor(np.asarray(p))
-            with torch.no_grad():
-                # An explicit mask: without one, transformers masks every prompt token equal to
-                # pad_token_id (here a character of the text).
-                return hf.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=args.new,
-                    min_new_tokens=args.new,
-                    do_sample=False,
-                    num_beams=1,
-                    pad_token_id=0,
+    for dtype_name in args.dtypes:
+        dtype = jnp.dtype(dtype_name)
+        model = Transformer(config, dtype=dtype, key=jax.random.key(0)).unstack_layers()
+        params, static = eqx.partition(model, eqx.is_array)
+        weights = sum(x.nbytes for x in jax.tree.leaves(params))
+        for batch in batches:
+            for context in args.contexts:
+                filled = batch * 2 * n * kv_heads * context * head * dtype.itemsize
+                total = weights + filled
+                if 2 * total > args.max_gb * 1e9:  # the cache and a stream of as many bytes
+                    why = f"needs {2 * total / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
+                    rows.append(
+                        {"dtype": dtype_name, "batch": batch, "context": context, "skipped": why}
+                    )
+                    print(f"{dtype_name:<9} {batch:>5} {context:>7} skipped: {why}")
+                    continue
+                cache = KVCache.create(
+                    kv_heads, context + 8, head, layers=n, dtype=dtype, batch=batch
                 )
+                keys = jax.random.split(jax.random.key(1), 2 * n)
+                fill = [
+                    jax.random.normal(k, x.shape, dtype)
+                    for k, x in zip(keys, (*cache.k, *cache.v), strict=True)
+                ]
 
-        start = time.perf_counter()
-        out = ours()  # compiles
-        first = time.perf_counter() - start
-        ref = theirs()  # warm-up
-        # Interleaved rounds, so that this shared machine's noise hits both alike.
-        t_ours_all, t_hf_all = [], []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            out = ours()
-            t_ours_all.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            ref = theirs()
-            t_hf_all.append(time.perf_counter() - start)
-        t_ours, t_hf = statistics.median(t_ours_all), statistics.median(t_hf_all)
-        compile_s = first - t_ours
-        same = bool(np.array_equal(np.asarray(out), ref.numpy()))
-        row = {
-            "batch": batch,
-            "treeattn_tokens_per_s": batch * args.new / t_ours,
-            "transformers_tokens_per_s": batch * args.new / t_hf,
-            "ratio": t_hf / t_ours,
-            "compile_s": compile_s,
-            "identical_tokens": same,
-        }
-        rows.append(row)
-        print(
-            f"{batch:>5} {row['treeattn_tokens_per_s']:>15.0f} "
-            f"{row['transformers_tokens_per_s']:>19.0f} {row['ratio']:>6.1f}x "
-            f"{compile_s:>7.1f}s {str(same):>17}"
+                def at(batch=batch, context=context):  # a fresh array: the cache is donated
+                    return jnp.full((batch,), context - 1, jnp.int32)
+
+                cache = eqx.tree_at(
+                    lambda c: (c.k, c.v, c.length), cache, (tuple(fill[:n]), tuple(fill[n:]), at())
+                )
+                stream = jnp.ones((total // 4,), jnp.float32)
+                jax.block_until_ready(read(stream))
+                tokens = jnp.ones((batch,), jnp.int32)
+                for _ in range(2):  # compile, warm up
+                    _, cache = step(params, static, tokens, cache)
+                    cache = eqx.tree_at(lambda c: c.length, cache, at())
+                jax.block_until_ready(cache)
+                t_step, t_floor = [], []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    jax.block_until_ready(read(stream))
+                    t_floor.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    logits, cache = step(params, static, tokens, cache)
+                    jax.block_until_ready(logits)
+                    t_step.append(time.perf_counter() - start)
+                    cache = eqx.tree_at(lambda c: c.length, cache, at())
+                t, f = statistics.median(t_step), statistics.median(t_floor)
+                row = {
+                    "dtype": dtype_name,
+                    "batch": batch,
+                    "context": context,
+                    "weights_bytes": weights,
+                    "cache_bytes": filled,
+                    "floor_s": f,
+                    "step_s": t,
+                    "step_over_floor": t / f,
+                    "read_GBps": total / f / 1e9,
+                }
+                rows.append(row)
+                print(
+                    f"{dtype_name:<9} {batch:>5} {context:>7} {weights / 1e6:>10.0f} "
+                    f"{filled / 1e6:>9.0f} {f * 1e3:>7.1f}ms {t * 1e3:>7.1f}ms "
+                    f"{t / f:>9.2f}x {total / f / 1e9:>9.1f}"
+                )
+                del cache, stream, fill
+    out: dict = {"config": str(config), "rows": rows}
+    if args.hf:
+        model = Transformer(config, key=jax.random.key(0))
+        hf = hf_model(model)
+        n_prompt = args.prompt or (32 if args.quick else 1024)
+        new = args.new or (8 if args.quick else 32)
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(0, config.vocab_size, (max(batches), n_prompt))
+        print(f"\nagainst transformers, fp32: prompt {n_prompt}, {new} new tokens, greedy")
+        hf_rows, failures = compare(
+            args, model.unstack_layers(), hf, prompts, batches, new, generate, jnp
         )
-    path = write_json(
-        "generate", {"machine": machine(), "args": vars(args), "model": name, "rows": rows}
-    )
-    print(f"\ntokens/s count new tokens only (the prompt's prefill time included); wrote {path}")
+        out |= {"hf_prompt": n_prompt, "hf_new": new, "hf": hf_rows, "hf_failures": failures}
+    return out
 
 
 if __name__ == "__main__":

@@ -479,3 +479,245 @@ def test_cpu_kernel_matches_numpy(
         layout=layout,
         backend="cpu",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding windows, boolean masks and additive biases
+# ---------------------------------------------------------------------------------------------
+
+
+def np_visible(batch, q_seq, heads, kv_seq, *, kv_length, q_offset, causal, window, mask):
+    """float64-side visibility [batch, heads, q_seq, kv_seq], from the definitions: key slot
+    a (position a) is seen by query i (position q_offset + i) iff a < kv_length, (causal)
+    a <= position, (window) position - left <= a <= position + right, and the mask allows."""
+    vis = np.zeros((batch, heads, q_seq, kv_seq), bool)
+    lengths = np.broadcast_to(np.asarray(kv_length), (batch,))
+    offsets = np.broadcast_to(np.asarray(q_offset), (batch,))
+    for b in range(batch):
+        for i in range(q_seq):
+            at = int(offsets[b]) + i
+            for a in range(kv_seq):
+                ok = a < lengths[b] and (not causal or a <= at)
+                if window is not None:
+                    ok = ok and at - window[0] <= a <= at + window[1]
+                vis[b, :, i, a] = ok
+    if mask is not None:
+        vis &= np.broadcast_to(np.asarray(mask, bool), vis.shape)
+    return vis
+
+
+def np_attention(q, k, v, vis, bias=None, scale=None):
+    """float64 (out [b, q, h, dv], lse [b, q, h]) with logits s q.k + bias over the visible
+    keys; a row that sees nothing gives (0, -inf). k, v in bshd."""
+    q, k, v = ref.f64(q), ref.f64(k), ref.f64(v)
+    batch, q_seq, heads, dim = q.shape
+    group = heads // k.shape[2]
+    scale = 1.0 / np.sqrt(dim) if scale is None else scale
+    bias = np.zeros(()) if bias is None else ref.f64(bias)
+    bias = np.broadcast_to(bias, (batch, heads, q_seq, k.shape[1]))
+    out = np.zeros((batch, q_seq, heads, v.shape[-1]))
+    lse = np.full((batch, q_seq, heads), -np.inf)
+    for b in range(batch):
+        for h in range(heads):
+            x = scale * q[b, :, h] @ k[b, :, h // group].T + bias[b, h]
+            for i in range(q_seq):
+                seen = vis[b, h, i]
+                if not seen.any():
+                    continue
+                m = x[i, seen].max()
+                e = np.exp(x[i, seen] - m)
+                out[b, i, h] = e @ v[b, seen, h // group] / e.sum()
+                lse[b, i, h] = m + np.log(e.sum())
+    return out, lse
+
+
+WINDOWS = [(2, 1), (0, 0), (5, 0), (3, 30)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "backend, block", [("xla", None), ("xla", 4), ("cpu", None), ("reference", None)]
+)
+def test_local_window_matches_numpy(backend, block, causal, window, getkey):
+    """A sliding window by absolute position (jax's local_window_size), with causality, a
+    partly filled cache, queries after it and GQA; blockwise and dense XLA, C++ and reference."""
+    batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 3, 4, 2, 21, 8
+    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    kv_length = np.asarray([21, 12])
+    q_offset = kv_length - q_seq
+    for layout in ("bshd", "bhsd"):
+        out, lse = flash_attention(
+            q,
+            to_layout(k, layout),
+            to_layout(v, layout),
+            causal=causal,
+            q_offset=jnp.asarray(q_offset),
+            kv_length=jnp.asarray(kv_length),
+            kv_layout=layout,
+            local_window_size=window,
+            backend=backend,
+            block_size=block,
+        )
+        vis = np_visible(
+            batch,
+            q_seq,
+            heads,
+            kv_seq,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            causal=causal,
+            window=window,
+            mask=None,
+        )
+        check(out, lse, *np_attention(q, k, v, vis), jnp.float32)
+
+
+def test_local_window_int_is_symmetric_and_checked(getkey):
+    q, k, v = make(getkey, 1, 6, 2, 2, 6, 8)
+    a, _ = flash_attention(q, k, v, local_window_size=2, backend="xla")
+    b, _ = flash_attention(q, k, v, local_window_size=(2, 2), backend="xla")
+    np.testing.assert_array_equal(a, b)
+    for bad in ((-1, 0), (1, 2, 3), 1.5, True):
+        with pytest.raises(ValueError, match="local_window_size"):
+            flash_attention(q, k, v, local_window_size=bad)
+
+
+MASK_SHAPES = [(2, 4, 5, 13), (1, 1, 5, 13), (4, 1, 13), (5, 13), (2, 1, 1, 13)]
+
+
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=str)
+@pytest.mark.parametrize("backend, block", [("xla", None), ("xla", 4), ("reference", None)])
+def test_mask_and_bias_match_numpy(backend, block, mask_shape, getkey):
+    """Boolean masks and additive biases broadcast to [batch, heads, q_seq, kv_seq] as jax's
+    are, combined with causality, a partly filled cache and a window; a fully masked row
+    gives (0, -inf)."""
+    batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 5, 4, 2, 13, 8
+    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    mask = jax.random.bernoulli(getkey(), 0.7, mask_shape)
+    mask = mask.at[..., 0, :].set(False)  # query 0 sees no key at all
+    bias = jax.random.normal(getkey(), mask_shape)
+    kv_length, q_offset = np.asarray([13, 9]), np.asarray([8, 4])
+    kw = dict(causal=True, q_offset=jnp.asarray(q_offset), kv_length=jnp.asarray(kv_length))
+    out, lse = flash_attention(
+        q, k, v, mask=mask, bias=bias, backend=backend, block_size=block, **kw
+    )
+    vis = np_visible(
+        batch,
+        q_seq,
+        heads,
+        kv_seq,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        causal=True,
+        window=None,
+        mask=mask,
+    )
+    check(out, lse, *np_attention(q, k, v, vis, bias), jnp.float32)
+    assert not np.any(np.asarray(out[:, 0])) and np.all(np.isneginf(lse[:, 0]))
+    windowed, _ = flash_attention(
+        q, k, v, mask=mask, local_window_size=(2, 0), backend=backend, block_size=block, **kw
+    )
+    vis_w = vis & np_visible(
+        batch,
+        q_seq,
+        heads,
+        kv_seq,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        causal=True,
+        window=(2, 0),
+        mask=None,
+    )
+    assert ref.rel_err(windowed, np_attention(q, k, v, vis_w)[0]) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 3, 10), (1, 4, 1, 10), (3, 10)], ids=str)
+@pytest.mark.parametrize("block", [None, 4])
+def test_bias_gradient_matches_reference(block, bias_shape, getkey):
+    """The bias is differentiable through the shared blockwise backward (summed over the axes
+    it broadcasts along), as are q, k, v with a mask and a window."""
+    q, k, v = make(getkey, 2, 3, 4, 2, 10, 8)
+    bias = jax.random.normal(getkey(), bias_shape)
+    mask = jax.random.bernoulli(getkey(), 0.8, (2, 1, 3, 10))
+    w = jax.random.normal(getkey(), (2, 3, 4, 8))
+
+    def loss(backend, q, k, v, bias):
+        out, lse = flash_attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            mask=mask,
+            causal=True,
+            q_offset=7,
+            local_window_size=(4, 0),
+            backend=backend,
+            block_size=block,
+        )
+        return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0))
+
+    got = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert got[3].shape == bias_shape
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_mask_bias_checks_and_refusals(getkey):
+    q, k, v = make(getkey, 2, 1, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match=r"mask must broadcast to \[batch, heads, q_seq, kv_seq"):
+        flash_attention(q, k, v, mask=jnp.ones((3, 16), bool))
+    with pytest.raises(ValueError, match="mask must be boolean"):
+        flash_attention(q, k, v, mask=jnp.ones((1, 16)))
+    with pytest.raises(ValueError, match="bias must be a floating-point array"):
+        flash_attention(q, k, v, bias=jnp.ones((1, 16), jnp.int32))
+    mask = jnp.ones((1, 16), bool)
+    for backend in ("cpu", "pallas"):
+        with pytest.raises(BackendUnavailable, match="mask"):
+            flash_attention(q, k, v, mask=mask, backend=backend)
+    with pytest.raises(BackendUnavailable, match="local_window_size"):
+        flash_attention(q, k, v, local_window_size=3, backend="pallas")
+    # "auto" falls back to a kernel that takes them.
+    dims_kw = dict(causal=False, has_length=False, q_offset=0)
+    from treeattn._numerics import Dims
+
+    dims = Dims(1, 16, 4, 2, 8, 8, batch=2)
+    assert select_backend("auto", dims, jnp.float32, has_mask=True, **dims_kw) == "xla"
+    assert select_backend("auto", dims, jnp.float32, has_bias=True, **dims_kw) == "xla"
+    assert select_backend("auto", dims, jnp.float32, window=(3, 0), **dims_kw) == "cpu"
+
+
+@pytest.mark.parametrize("kind", ["tree", "ring"])
+@pytest.mark.parametrize("p", [3, 4])
+def test_tree_and_ring_with_window_mask_and_bias(kind, p, getkey):
+    """A sliding window, a mask and a bias over a sharded cache of 22 slots (padded to 24),
+    queries at the end of each row's filled part: every shard applies the window by absolute
+    position and its own slice of the mask and bias (the C++ kernel: the window only)."""
+    batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 2, 4, 2, 22, 8
+    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    kv_length = np.asarray([22, 15])
+    mask = jax.random.bernoulli(getkey(), 0.8, (batch, 1, q_seq, kv_seq))
+    bias = jax.random.normal(getkey(), (1, heads, q_seq, kv_seq))
+    window = (6, 0)
+    for backend in ("xla", "reference", "cpu"):
+        kw = dict(kv_length=jnp.asarray(kv_length), causal=True, local_window_size=window)
+        kw.update(backend=backend)
+        if backend != "cpu":
+            kw.update(mask=mask, bias=bias)
+        out = decode_fn(kind, p, kv_layout="bhsd", **kw)(
+            q, to_layout(k, "bhsd"), to_layout(v, "bhsd")
+        )
+        vis = np_visible(
+            batch,
+            q_seq,
+            heads,
+            kv_seq,
+            kv_length=kv_length,
+            q_offset=kv_length - q_seq,
+            causal=True,
+            window=window,
+            mask=None if backend == "cpu" else mask,
+        )
+        expected, _ = np_attention(q, k, v, vis, None if backend == "cpu" else bias)
+        assert ref.rel_err(out, expected) <= TOL[jnp.float32], backend

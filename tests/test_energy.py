@@ -410,3 +410,50 @@ def test_bad_source_shapes():
         free_energy(Q[0, 0], K[:, 0], V[:, 0], jnp.zeros((1, 2)))
     with pytest.raises(ValueError, match=r"causal_free_energy: zeta must have shape"):
         causal_free_energy(Q[:, 0], K[:, 0], V[:, 0], jnp.zeros(2))
+
+
+def window_mask(q_seq, kv_seq, window, q_offset=0):
+    """NumPy [q_seq, kv_seq]: query at position q_offset + i sees keys j with
+    position - left <= j <= position + right."""
+    at = q_offset + np.arange(q_seq)[:, None]
+    j = np.arange(kv_seq)[None, :]
+    return (at - window[0] <= j) & (j <= at + window[1])
+
+
+@pytest.mark.parametrize("window", [(2, 1), (0, 0), (3, 0), 2], ids=str)
+@pytest.mark.parametrize("causal, q_offset", [(False, 0), (True, 0), (True, 8)])
+def test_local_window_matches_numpy(causal, q_offset, window, getkey):
+    """`local_window_size` (jax's meaning) on the energies and their attention, combined with
+    causality, a query offset and a user mask by "and"; the gradient in zeta is the attention."""
+    shape = (5, 13, 4, 2, 8, 6)
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    mask = jax.random.bernoulli(getkey(), 0.8, (4, 5, 13))
+    pair = (window, window) if isinstance(window, int) else window
+    vis = window_mask(5, 13, pair, q_offset) & np.asarray(mask)
+    kw = dict(causal=causal, q_offset=q_offset, local_window_size=window, mask=mask)
+    expected = ref.attention(q, k, v, causal=causal, q_offset=q_offset, mask=vis)
+    for fn in (energy_attention, attention_reference):
+        assert ref.rel_err(fn(q, k, v, **kw), expected) <= TOL[jnp.float32], fn.__name__
+    zeta = jax.random.normal(getkey(), (5, 4, 6))
+    terms = ref.free_energy_terms(q, k, v, zeta, causal=causal, q_offset=q_offset, mask=vis)
+    f = multihead_free_energy(q, k, v, zeta, **kw)
+    if np.isneginf(terms).any():
+        assert f == -jnp.inf
+    else:
+        np.testing.assert_allclose(f, terms.sum(), rtol=1e-5)
+    if causal:
+        f1 = causal_free_energy(
+            q[:, 0], k[:, 0], v[:, 0], zeta[:, 0], q_offset=q_offset, local_window_size=window
+        )
+        one = ref.free_energy_terms(
+            q[:, :1],
+            k[:, :1],
+            v[:, :1],
+            zeta[:, :1],
+            causal=True,
+            q_offset=q_offset,
+            mask=window_mask(5, 13, pair, q_offset),
+        )
+        np.testing.assert_allclose(f1, one.sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match="local_window_size"):
+        energy_attention(q, k, v, local_window_size=(1, 2, 3))

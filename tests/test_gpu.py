@@ -30,6 +30,7 @@ from test_energy import TOL
 
 from treeattn.decode import (
     BackendUnavailable,
+    dot_product_attention,
     flash_attention,
     select_backend,
     tree_decode,
@@ -341,7 +342,46 @@ def test_tree_decode_lowers_for_cuda(backend, dtype):
 
 
 @cpu_only
-@pytest.mark.parametrize("path", ["flash", "tree"])
+@pytest.mark.parametrize("feature", ["window", "mask", "bias"])
+@pytest.mark.parametrize("backend", ["auto", "xla", "reference", "pallas", "cpu"])
+@pytest.mark.parametrize("path", ["flash", "tree", "dpa"])
+def test_window_mask_bias_lower_for_cuda(path, backend, feature):
+    """A sliding window, a mask or a bias lowers for CUDA without a CPU custom call on every
+    backend that takes it ("auto" falls back to one); a backend that refuses it raises
+    `BackendUnavailable` naming it when the program is lowered for CUDA."""
+    dtype = jnp.bfloat16
+    mesh = Mesh(np.array(devices(4)), ("kv",))
+    args = (
+        S((2, 1, 8, 64), dtype),
+        S((2, 2, 256, 64), dtype),
+        S((2, 2, 256, 64), dtype),
+        S((2, 1, 1, 256), jnp.bool_ if feature == "mask" else dtype),
+    )
+
+    def f(q, k, v, extra):
+        kw: dict = {feature: extra} if feature != "window" else {"local_window_size": (63, 0)}
+        if path == "dpa":  # jax's layout [batch, seq, heads, dim]
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            impl = None if backend == "auto" else backend
+            return dot_product_attention(q, k, v, **kw, implementation=impl)
+        common = dict(kv_layout="bhsd", backend=backend, causal=True, **kw)
+        if path == "tree":
+            return tree_decode(q, k, v, mesh=mesh, kv_axis="kv", **common)
+        return flash_attention(q, k, v, q_offset=255, **common)[0]
+
+    if backend in ("pallas", "cpu"):
+        what = "local_window_size" if feature == "window" else feature
+        match = "unavailable on cuda" if backend == "cpu" else what
+        with pytest.raises(BackendUnavailable, match=match):
+            lower(f, *args)
+        return
+    text = lower(f, *args)
+    assert_cuda_program(text)
+    assert "triton" not in text  # the Pallas kernel takes none of them: auto fell back
+
+
+@cpu_only
+@pytest.mark.parametrize("path", ["flash", "tree", "tree-pallas"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_model_decode_step_lowers_for_cuda(path, dtype, monkeypatch):
     """A decode step of the Llama-style decoder (the shipped checkpoint is float32), on one
@@ -353,8 +393,11 @@ def test_model_decode_step_lowers_for_cuda(path, dtype, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("equinox._errors"), "EQX_ON_ERROR", "nan")
 
-    mesh = Mesh(np.array(devices(2)), ("kv",)) if path == "tree" else None
-    backend = AttentionBackend(path, mesh=mesh, kv_axis="kv" if mesh else None)
+    mesh = Mesh(np.array(devices(2)), ("kv",)) if path.startswith("tree") else None
+    name, _, kernel = path.partition("-")
+    backend = AttentionBackend(
+        name, kernel=kernel or "auto", mesh=mesh, kv_axis="kv" if mesh else None
+    )
     config = LlamaConfig(
         vocab_size=72,
         hidden_size=384,
@@ -375,9 +418,44 @@ def test_model_decode_step_lowers_for_cuda(path, dtype, monkeypatch):
 
     text = lower(step, abstract, S((), jnp.int32))
     assert_cuda_program(text)
-    # One query per row: the Pallas decode kernel; a sharded cache fills its shards
-    # round-robin and passes key positions, which only the portable kernel takes on CUDA.
-    assert ("triton" in text) == (path == "flash")
+    # One query per row: the Pallas decode kernel (the layers' attention calls are alike, so
+    # the CUDA branch picks it for all) — also for a cache filled round-robin over the
+    # devices, whose shards pass their fill lengths, not key positions.
+    assert "triton" in text
+
+
+@cpu_only
+@pytest.mark.parametrize("devices_", [2, 4])
+def test_model_tree_decode_step_lowers_to_cudnn(cudnn, devices_, monkeypatch):
+    """The same with the kernel cuDNN (bf16; its version checks stubbed by the fixture): the
+    tree decode step of a round-robin cache runs cuDNN's fused attention in every layer, with
+    no portable-kernel fallback and no CPU custom call."""
+    from treeattn.models import AttentionBackend, LlamaConfig, Transformer, decode_step
+
+    monkeypatch.setattr(importlib.import_module("equinox._errors"), "EQX_ON_ERROR", "nan")
+    mesh = Mesh(np.array(devices(devices_)), ("kv",))
+    backend = AttentionBackend("tree", kernel="cudnn", mesh=mesh, kv_axis="kv")
+    config = LlamaConfig(
+        vocab_size=72,
+        hidden_size=256,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = Transformer(config, backend=backend, dtype=jnp.bfloat16, key=jax.random.key(0))
+    cache = model.init_cache(40, mesh=mesh, kv_axis="kv", block=4)
+    params, static = eqx.partition((model, cache), eqx.is_array)
+    abstract = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
+
+    def step(params, token):
+        model, cache = eqx.combine(params, static)
+        return decode_step(model, token, cache)
+
+    text = lower(step, abstract, S((), jnp.int32))
+    assert_cuda_program(text)
+    assert re.search(r"custom_call @__cudnn\$fmha", text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from treeattn.models import (
     AttentionBackend,
@@ -19,7 +19,8 @@ from treeattn.models import (
     generate,
     prefill,
 )
-from treeattn.models._generate import _run
+from treeattn.models._cache import empty_rows
+from treeattn.models._generate import _generate_batch, _run
 
 
 CONFIG = LlamaConfig(
@@ -74,6 +75,56 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
     assert memory.alias_size_in_bytes >= cache_bytes
     # Temporaries: activations only, far below one layer's K.
     assert memory.temp_size_in_bytes < cache.layer(0).k.nbytes / 4
+
+
+@pytest.mark.parametrize("backend", ["flash", tree(2)], ids=["flash", "tree-2"])
+def test_batched_generate_holds_no_copy_of_the_cache(backend):
+    """`generate`'s compiled loop receives one empty cache per row, allocated in place (shard
+    by shard) and donated: every buffer is aliased to an output, nothing copies, broadcasts or
+    transposes a cache-sized buffer, and the temporaries are activations only."""
+    model = model_of()
+    be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
+    mesh, axis = (be.mesh, "kv") if be.name == "tree" else (None, None)
+    if mesh is not None and jax.__version_info__ < (0, 9):
+        pytest.skip(
+            "XLA:CPU of jax 0.8 writes the prompt into round-robin slots (a scatter) through a "
+            "transposed copy of each buffer; newer XLA scatters in place"
+        )
+    template = jax.eval_shape(
+        lambda: model.init_cache(MAX_LEN, mesh=mesh, kv_axis=axis, layout="bhsd")
+    )
+    rows = 3
+    cache = empty_rows(template, rows, mesh=mesh, kv_axis=axis)
+    assert cache.length.shape == (rows,) and cache.k[0].shape == (rows, *template.k[0].shape)
+    if mesh is not None:  # sharded along the slots, as the tree backend reads it
+        assert cache.k[0].sharding.spec == P(None, None, "kv", None)
+    params, static = eqx.partition(model.unstack_layers(), eqx.is_array)
+    compiled = _generate_batch.lower(
+        params,
+        static,
+        jnp.zeros((rows, 5), jnp.int32),
+        None,
+        cache,
+        jnp.zeros((rows,), jnp.uint32),
+        max_new_tokens=4,
+        temperature=0.0,
+        top_k=None,
+        backend=be,
+    ).compile()
+    text = compiled.as_text()
+    local = cache.k[0].sharding.shard_shape(cache.k[0].shape)  # one device's buffer
+    layer_shape = ",".join(str(n) for n in local)
+    big = [
+        line
+        for line in text.splitlines()
+        if re.search(rf"\[{layer_shape}\]", line)
+        and re.search(r"\b(copy|transpose|concatenate|broadcast)\(", line)
+    ]
+    assert big == [], "\n".join(big)
+    memory = compiled.memory_analysis()
+    local_bytes = sum(np.prod(x.sharding.shard_shape(x.shape)) * 4 for x in (*cache.k, *cache.v))
+    assert memory.alias_size_in_bytes >= local_bytes
+    assert memory.temp_size_in_bytes < np.prod(local) * 4 / 4
 
 
 def test_a_stacked_model_copies_its_weights_not_its_cache():
@@ -199,3 +250,57 @@ def test_a_model_cache_appends_through_its_layers():
     np.testing.assert_array_equal(merged.k[1][:, :3], 1.0)
     with pytest.raises(ValueError, match="layout must be one of"):
         KVCache.create(2, 8, 4, layout="hsd")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("p, block", [(1, 1), (2, 1), (2, 3), (4, 2), (8, 2)])
+def test_shard_lengths_count_the_filled_slots(p, block):
+    """`shard_lengths()` of a round-robin cache is, per shard, the number of its slots whose
+    position (`positions()`) is below the length — at every length, up to overflow."""
+    mesh = Mesh(np.array(jax.devices()[:p]), ("kv",))
+    cache = KVCache.create(1, 5 * p * block, 2, mesh=mesh, kv_axis="kv", block=block)
+    lengths = np.arange(cache.max_len + 4)
+    batched = eqx.tree_at(lambda c: c.length, cache, jnp.asarray(lengths, jnp.int32))
+    fills = np.asarray(batched.shard_lengths())
+    held = cache.positions().reshape(p, -1)
+    expected = (held[None] < np.minimum(lengths, cache.max_len)[:, None, None]).sum(-1)
+    np.testing.assert_array_equal(fills, expected)
+    # The filled slots of a shard are its first ones.
+    assert (np.diff(held, axis=1) > 0).all()
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_round_robin_decode_steps_match_one_full_pass(p, getkey):
+    """Decode steps over a cache sharded round-robin (each shard told its fill length) give the
+    logits of the reference backend's full pass, after prompts that leave the shards unevenly
+    filled (some empty, one partly filled)."""
+    model = model_of()
+    tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
+    full = model(tokens, backend="reference")
+    backend = tree(p)
+    for n in (1, 5, 11):
+        cache = model.init_cache(32, mesh=backend.mesh, kv_axis="kv", block=2)
+        logits, cache = prefill(model, tokens[:n], cache, backend=backend)
+        fills = np.asarray(cache.shard_lengths())
+        assert fills.sum() == n and fills.min() < fills.max(), fills
+        steps = [logits[-1:]]
+        for t in tokens[n : n + 3]:
+            step, cache = decode_step(model, t, cache, backend=backend)
+            steps.append(step[None])
+        np.testing.assert_allclose(
+            jnp.concatenate(steps), full[n - 1 : n + 3], rtol=1e-5, atol=1e-5, err_msg=f"{n=}"
+        )
+
+
+@pytest.mark.parametrize("p", [2, 8])
+def test_round_robin_generate_gives_the_reference_tokens(p, getkey):
+    """Batched greedy generation with prompts of different lengths (left-padded) on a cache
+    sharded round-robin gives the tokens of the reference backend on one device."""
+    model = model_of()
+    lengths = (1, 4, 9)
+    width = max(lengths)
+    prompts = jax.random.randint(getkey(), (len(lengths), width), 0, CONFIG.vocab_size)
+    mask = jnp.arange(width)[None, :] >= width - jnp.asarray(lengths)[:, None]
+    kw = dict(attention_mask=mask, max_new_tokens=6)
+    expected = generate(model, prompts, backend="reference", **kw)
+    got = generate(model, prompts, backend=tree(p), **kw)
+    np.testing.assert_array_equal(got, expected)

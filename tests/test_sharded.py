@@ -378,3 +378,45 @@ def test_errors():
         tree_energy_attention(q, k, k, mesh=mesh_of(2), kv_axis="kv", reduction="hierarchical")
     with pytest.raises(ValueError, match=r"tree_free_energy: zeta must have shape"):
         tree_free_energy(q, k, k, jnp.zeros((1, 2, 3)), mesh=mesh_of(2), kv_axis="kv")
+
+
+@pytest.mark.parametrize("p, reduction", [(3, "allreduce"), (4, "butterfly")])
+def test_local_window_across_shards(p, reduction, getkey):
+    """A sliding window by absolute position over a sequence sharded on the mesh (37 keys,
+    padded): each shard applies it to its own keys; same value and gradient as unsharded."""
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    q_seq, kv_seq = SHAPE[:2]
+    window = (6, 0)
+    kw = dict(causal=True, q_offset=kv_seq - q_seq, local_window_size=window)
+    out = jit_tree(tree_energy_attention, **tree_kw(p, reduction), **kw)(q, k, v)
+    at = kv_seq - q_seq + np.arange(q_seq)[:, None]
+    j = np.arange(kv_seq)[None, :]
+    vis = (at - window[0] <= j) & (j <= at)
+    expected = ref.attention(q, k, v, causal=True, q_offset=kv_seq - q_seq, mask=vis)
+    assert ref.rel_err(out, expected) <= TOL[jnp.float32]
+    zeta = jax.random.normal(getkey(), (q_seq, SHAPE[2], SHAPE[5]))
+    f = jax.jit(lambda *a: tree_free_energy(*a, **tree_kw(p, reduction), **kw))(q, k, v, zeta)
+    terms = ref.free_energy_terms(q, k, v, zeta, causal=True, q_offset=kv_seq - q_seq, mask=vis)
+    np.testing.assert_allclose(f, terms.sum(), rtol=1e-5)
+    grads = jax.grad(
+        lambda q, k, v: jnp.sum(
+            jnp.sin(tree_energy_attention(q, k, v, **tree_kw(p, reduction), **kw))
+        )
+    )(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(energy_attention(q, k, v, **kw))))(q, k, v)
+    for a, b in zip(grads, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # Inside shard_map, with this device's shard and its absolute offset.
+    mesh = mesh_of(2)
+    k2, v2 = k[:36], v[:36]
+
+    def local(q, k, v):
+        return sharded_energy_attention(q, k, v, axis_name="kv", **kw)
+
+    inside = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("kv"), P("kv")), out_specs=P(), check_vma=False
+        )
+    )(q, k2, v2)
+    expected2 = ref.attention(q, k2, v2, causal=True, q_offset=kv_seq - q_seq, mask=vis[:, :36])
+    assert ref.rel_err(inside, expected2) <= TOL[jnp.float32]

@@ -105,6 +105,35 @@ def check_scale(fn: str, scale) -> None:
         raise ValueError(f"{fn}: scale must be finite, got {scale!r}")
 
 
+Window = tuple[int, int]
+"""A sliding window `(left, right)`: query at position `i` sees keys at `i - left .. i + right`."""
+
+
+def check_window(fn: str, local_window_size) -> Window | None:
+    """`local_window_size` (jax's meaning: an int `w` is `(w, w)`, a pair is `(left, right)`)
+    as a `(left, right)` pair of non-negative Python ints, or None."""
+    if local_window_size is None:
+        return None
+    value = local_window_size
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = (value, value)
+    if (
+        not isinstance(value, tuple | list)
+        or len(value) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in value)
+    ):
+        raise ValueError(
+            f"{fn}: local_window_size must be an int, a (left, right) pair of ints, or None, "
+            f"got {local_window_size!r}"
+        )
+    left, right = int(value[0]), int(value[1])
+    if left < 0 or right < 0:
+        raise ValueError(
+            f"{fn}: local_window_size must not be negative, got (left, right) = ({left}, {right})"
+        )
+    return left, right
+
+
 def check_position(
     fn: str, name: str, value, *, batch: int | None = None, minimum: int | None = 0
 ) -> None:
@@ -180,9 +209,10 @@ def visibility(
     kv_positions: Int[Array, " kv_seq"] | None = None,
     kv_length: int | Int[Array, ""] | None = None,
     slots: Bool[Array, " kv_seq"] | None = None,
-    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    mask: Bool[Array, "#q_seq kv_seq"] | Bool[Array, "#heads #q_seq kv_seq"] | None = None,
+    window: Window | None = None,
 ) -> Bool[Array, "#kv_heads #group #q_seq kv_seq"] | None:
-    """The one place that decides which keys each (head, query) sees, in the grouped layout
+    r"""The one place that decides which keys each (head, query) sees, in the grouped layout
     `[kv_heads, group, q_seq, kv_seq]` (axes of size 1 broadcast). None means "every key".
 
     Positions are absolute: query `i` sits at `q_offset + i`; key slot `a` holds position
@@ -192,11 +222,14 @@ def visibility(
     - its position is below `kv_length` (the filled part of a cache),
     - when `causal`, its position is not after the query's (bottom-right alignment: a query
       appended after a cache of `n` tokens passes `q_offset=n`),
-    - and the user's boolean `mask` (`[q_seq, kv_seq]` or `[heads, q_seq, kv_seq]`) allows it.
+    - when `window = (left, right)`, its position $j$ is within the query's sliding window,
+      $i - \mathrm{left} \le j \le i + \mathrm{right}$ (jax's `local_window_size`),
+    - and the user's boolean `mask` (`[#q_seq, kv_seq]` or `[#heads, #q_seq, kv_seq]`, axes of
+      size 1 broadcast) allows it.
     """
     key_ok = slots
     pos = None
-    if causal or kv_length is not None:
+    if causal or kv_length is not None or window is not None:
         # int32 positions: a context of 2^31 tokens is far beyond any cache.
         if kv_positions is not None:
             pos = jnp.asarray(kv_positions).astype(jnp.int32)
@@ -207,17 +240,26 @@ def visibility(
         filled = pos < as_position(kv_length)
         key_ok = filled if key_ok is None else key_ok & filled
     vis = None if key_ok is None else key_ok[None, None, None, :]
-    if causal:
+    if causal or window is not None:
         assert pos is not None
-        q_pos = as_position(q_offset) + jnp.arange(dims.q_seq, dtype=jnp.int32)
-        seen = (pos[None, :] <= q_pos[:, None])[None, None]
-        vis = seen if vis is None else vis & seen
+        q_pos = (as_position(q_offset) + jnp.arange(dims.q_seq, dtype=jnp.int32))[:, None]
+        seen = None
+        if causal:
+            seen = pos[None, :] <= q_pos
+        if window is not None:
+            # Differences, not sums: q_pos - left may fall below int32's range for no reason.
+            near = (q_pos - pos[None, :] <= window[0]) & (pos[None, :] - q_pos <= window[1])
+            seen = near if seen is None else seen & near
+        assert seen is not None
+        vis = seen[None, None] if vis is None else vis & seen[None, None]
     if mask is not None:
         m = jnp.asarray(mask)
         if m.ndim == 2:
             m = m[None, None]
+        elif m.shape[0] == 1:
+            m = m[None]
         else:
-            m = m.reshape(dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
+            m = m.reshape(dims.kv_heads, dims.group, *m.shape[1:])
         vis = m if vis is None else vis & m
     return vis
 
@@ -233,6 +275,21 @@ def rows_visibility(
         return vis.reshape(kh, 1, vis.shape[-1])
     full = jnp.broadcast_to(vis, (kh, dims.group, dims.q_seq, vis.shape[-1]))
     return full.reshape(kh, dims.rows, vis.shape[-1])
+
+
+def rows_bias(
+    bias: Float[Array, "#heads #q_seq kv_seq"], dims: Dims
+) -> Float[Array, "#kv_heads #rows kv_seq"]:
+    """An additive bias on the logits, `[#heads, #q_seq, kv_seq]` (axes of size 1 broadcast),
+    in the rows layout `[kv_heads, group * q_seq, kv_seq]` (size-1 axes kept where they can be).
+    It is added to the logits of visible keys; a bias of -inf gives a key weight 0."""
+    h, t, s = bias.shape
+    if h == 1 and t == 1:
+        return bias.reshape(1, 1, s)
+    if h == 1:
+        return jnp.broadcast_to(bias, (dims.group, t, s)).reshape(1, dims.group * t, s)
+    full = jnp.broadcast_to(bias, (dims.heads, dims.q_seq, s))
+    return full.reshape(dims.kv_heads, dims.rows, s)
 
 
 def nonempty(

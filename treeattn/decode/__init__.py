@@ -15,6 +15,11 @@ from ._cost_model import (
     DecodeCost as DecodeCost,
     cost_model as cost_model,
 )
+from ._dpa import (
+    EMPTY_ROWS as EMPTY_ROWS,
+    EmptyRows as EmptyRows,
+    dot_product_attention as dot_product_attention,
+)
 from ._flash import (
     flash_attention as flash_attention,
     flash_attention_reference as flash_attention_reference,

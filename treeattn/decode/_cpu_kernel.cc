@@ -72,6 +72,8 @@ struct Dims {
   int64_t batch, q_seq, heads, qk, kv_heads, kv_seq, dv;
   bool bhsd, causal, has_pos;
   float scale;
+  // A sliding window: a query at position i sees keys at i - left .. i + right (-1: no bound).
+  int64_t left, right;
   int64_t group() const { return heads / kv_heads; }
   // Element offsets of (batch b, kv head h, slot s) in K (width w = qk or dv).
   int64_t kv_offset(int64_t b, int64_t h, int64_t s, int64_t w) const {
@@ -98,15 +100,18 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       qpos[r] = offset + t;
     }
   }
-  // Keys in position order: slots past the filled length (or the last query) are not read.
-  int64_t slots = d.kv_seq;
+  // Keys in position order: slots past the filled length (or the last query, or the right edge
+  // of the last query's window) are not read, nor those before the first query's window.
+  int64_t slots = d.kv_seq, first = 0;
   if (!d.has_pos) {
     int64_t limit = length;
     if (d.causal) limit = std::min(limit, offset + d.q_seq);
+    if (d.right >= 0) limit = std::min(limit, offset + d.q_seq + d.right);
     slots = std::clamp<int64_t>(limit, 0, d.kv_seq);
+    if (d.left >= 0) first = std::clamp<int64_t>(offset - d.left, 0, slots);
   }
   const int32_t* pos_b = d.has_pos ? kv_pos + b * d.kv_seq : nullptr;
-  for (int64_t start = 0; start < slots; start += kBlock) {
+  for (int64_t start = first; start < slots; start += kBlock) {
     const int64_t n = std::min(kBlock, slots - start);
     bool any = false;
     for (int64_t i = 0; i < n; ++i) {
@@ -118,7 +123,9 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       }
       const T* kp = k + d.kv_offset(b, h, slot, d.qk);
       for (int64_t r = 0; r < rows; ++r) {
-        const bool visible = !d.causal || pos <= qpos[r];
+        const bool visible = (!d.causal || pos <= qpos[r]) &&
+                             (d.left < 0 || qpos[r] - pos <= d.left) &&
+                             (d.right < 0 || pos - qpos[r] <= d.right);
         si[r] = visible ? dot(qr.data() + r * d.qk, kp, d.qk) : kNegInf;
         any |= visible;
       }
@@ -236,7 +243,8 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                   ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_length,
                   ffi::Buffer<ffi::S32> kv_pos, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, bool causal,
-                  std::string_view layout, bool has_pos) {
+                  int64_t window_left, int64_t window_right, std::string_view layout,
+                  bool has_pos) {
   if (layout != "bshd" && layout != "bhsd") {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: layout must be bshd or bhsd, got " +
                                        std::string(layout));
@@ -260,7 +268,7 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
         "treeattn_cpu_decode: q must have rank 4, k and v rank 4 (or rank 3 for batch 1)");
   }
   Dims d{qd[0], qd[1], qd[2], qd[3], bhsd ? kd[1] : kd[2], bhsd ? kd[2] : kd[1], vd[3],
-         bhsd,  causal, has_pos, scale};
+         bhsd,  causal, has_pos, scale,  window_left, window_right};
   if (d.kv_heads <= 0 || d.heads % d.kv_heads != 0 || kd[3] != d.qk) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: inconsistent q/k shapes");
   }
@@ -304,5 +312,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuDecode, Decode,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
                                   .Attr<std::string_view>("layout")
                                   .Attr<bool>("has_pos"));

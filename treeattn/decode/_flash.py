@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Layout, compute_dtype, default_scale
-from ._checks import check_decode, per_row, positions_per_row
+from .._numerics import Layout, check_window, compute_dtype, default_scale
+from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
 from ._reference import reference_forward
 from ._registry import Backend, Choice, dispatch, kernel_call, resolve
 from ._xla import fused
@@ -33,13 +33,18 @@ def flash_attention(
     kv_layout: Layout = "bshd",
     block_size: int | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     r"""Fused attention of local keys, returning the output and its log-sum-exp.
 
-    $$o_{b,i,h} = \sum_a p_a v_a, \qquad \mathrm{lse}_{b,i,h} = \log\sum_a e^{s\,q\cdot k_a}$$
+    $$o_{b,i,h} = \sum_a p_a v_a, \qquad \mathrm{lse}_{b,i,h} = \log\sum_a e^{x_a},
+      \qquad x_a = s\,q\cdot k_a + \mathrm{bias}_{b,h,i,a}$$
 
-    over the keys a row can see: `a < kv_length[b]` (the filled part of a cache) and, when
-    `causal`, `a <= q_offset[b] + i` (bottom-right by absolute position). `lse` is the free
+    over the keys a row can see: `a < kv_length[b]` (the filled part of a cache), when
+    `causal`, `a <= q_offset[b] + i` (bottom-right by absolute position), within the sliding
+    window, and allowed by `mask`. `lse` is the free
     energy at $\zeta = 0$ of these keys, so partial results over disjoint key sets merge exactly
     with [`merge_partials`][treeattn.energy.merge_partials]; a row with no visible key gets
     `out = 0`, `lse = -inf`. Keys and values a row does not see never reach it, whatever they
@@ -65,6 +70,14 @@ def flash_attention(
       after the query). Only the `"cpu"`, `"xla"` and `"reference"` backends take it.
     - `block_size`: keys per block of the `"xla"` kernel (and of every backend's backward);
       default: as many as keep a block's logits under 64 MB.
+    - `local_window_size`: a sliding window by absolute position, jax's meaning: `(left,
+      right)` lets query position $i$ see key positions $j$ with
+      $i - \mathrm{left} \le j \le i + \mathrm{right}$; an int `w` is `(w, w)`. Combined
+      with `causal` (a causal window of `w + 1` tokens is `(w, 0)`). The `"cpu"`, `"xla"` and
+      `"reference"` backends take it.
+    - `mask`: boolean, broadcastable to `[batch, heads, q_seq, kv_seq]`, True = attend; `bias`:
+      added to the scaled logits, same shapes, differentiable. The `"xla"` and `"reference"`
+      backends take them.
 
     **Returns:** `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input dtype, `lse`
     float32 (float64 for float64 inputs) `[batch, q_seq, heads]` — the layout of
@@ -86,6 +99,9 @@ def flash_attention(
     )
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"{fn}: block_size must be a positive integer or None, got {block_size!r}")
+    window = check_window(fn, local_window_size)
+    mask = check_logits_operand(fn, "mask", mask, dims)
+    bias = check_logits_operand(fn, "bias", bias, dims)
     positions = positions_per_row(kv_positions, dims)
     call = kernel_call(
         dims,
@@ -94,6 +110,9 @@ def flash_attention(
         has_length=kv_length is not None,
         q_offset=q_offset,
         has_positions=positions is not None,
+        window=window,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
     )
     choice = resolve(fn, backend, call)
     s = default_scale(dims.qk, scale)
@@ -110,8 +129,11 @@ def flash_attention(
             offsets,
             lengths,
             positions,
+            mask,
+            bias,
             dims=dims,
             causal=causal,
+            window=window,
             scale=s,
             block=block_size,
         )
@@ -126,14 +148,32 @@ def flash_attention(
         ) from e
 
 
-@functools.partial(jax.jit, static_argnames=("choice", "dims", "causal", "scale", "block"))
+@functools.partial(
+    jax.jit, static_argnames=("choice", "dims", "causal", "window", "scale", "block")
+)
 def run_kernel(
-    choice: Choice, q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block=None
+    choice: Choice,
+    q,
+    k,
+    v,
+    q_offset,
+    kv_length,
+    kv_pos,
+    mask=None,
+    bias=None,
+    *,
+    dims,
+    causal,
+    window=None,
+    scale,
+    block=None,
 ):
     """The kernels of `choice` (one per lowering platform, picked when the program is lowered)
     on checked arguments: offsets and lengths int32 `[batch]`, positions int32
-    `[batch, kv_seq]` or None, `scale` a float. Returns `(out, lse)` (see `flash_attention`).
-    Lowering for a platform where `choice` has no kernel raises `BackendUnavailable`."""
+    `[batch, kv_seq]` or None, mask and bias `[batch, #heads, #q_seq, kv_seq]` or None,
+    `window` a `(left, right)` pair or None, `scale` a float. Returns `(out, lse)` (see
+    `flash_attention`). Lowering for a platform where `choice` has no kernel raises
+    `BackendUnavailable`."""
     if dims.kv_seq == 0:  # no key at all: the identity of the merge, by construction
         out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
         return out, jnp.full(out.shape[:-1], -jnp.inf, compute_dtype(q.dtype))
@@ -143,10 +183,36 @@ def run_kernel(
     with jax.named_scope("flash_attention_" + "_".join(sorted(names))):
         if names == {"reference"} and not choice.refusals:
             return reference_forward(
-                q, k, v, q_offset, kv_length, kv_pos, dims=dims, causal=causal, scale=scale
+                q,
+                k,
+                v,
+                q_offset,
+                kv_length,
+                kv_pos,
+                mask,
+                bias,
+                dims=dims,
+                causal=causal,
+                window=window,
+                scale=scale,
             )
         forward = dispatch(choice)
-        return fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block)
+        return fused(
+            forward,
+            q,
+            k,
+            v,
+            q_offset,
+            kv_length,
+            kv_pos,
+            mask,
+            bias,
+            dims,
+            causal,
+            window,
+            scale,
+            block,
+        )
 
 
 def flash_attention_reference(
@@ -160,6 +226,9 @@ def flash_attention_reference(
     kv_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_layout: Layout = "bshd",
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     """The float32 twin of [`flash_attention`][treeattn.decode.flash_attention]: all logits
     written out, plain `jnp`, differentiated by JAX; written independently of the kernels."""
@@ -174,4 +243,7 @@ def flash_attention_reference(
         backend="reference",
         kv_layout=kv_layout,
         kv_positions=kv_positions,
+        local_window_size=local_window_size,
+        mask=mask,
+        bias=bias,
     )

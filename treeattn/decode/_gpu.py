@@ -77,7 +77,9 @@ def owns_batch(kernel):
 # ---------------------------------------------------------------------------------------------
 
 
-def flash_attn_jax_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+def flash_attn_jax_forward(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
+):
     """FlashAttention-2 via flash-attn-jax 0.6.2 (CUDA; fp16/bf16; head dim <= 256).
 
     Its public `flash_mha` hides the log-sum-exp; `flash_fwd.flash_mha_fwd` returns it (float32,
@@ -86,6 +88,7 @@ def flash_attn_jax_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal
     row that sees no key (causal, more queries than keys) gets lse = +inf there; here -inf.
     """
     del q_offset, kv_length, kv_pos, block
+    assert mask is None and bias is None and window is None  # refused by eligibility
     flash_fwd = importlib.import_module("flash_attn_jax.flash_fwd")
     if dims.layout == "bhsd":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
@@ -127,7 +130,9 @@ def _cudnn_kernel(layout: str, scale: float, q_seq: int):
     return owns_batch(kernel)
 
 
-def cudnn_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+def cudnn_forward(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
+):
     """cuDNN's fused attention (`jax._src.cudnn.fused_attention_stablehlo`, what
     `jax.nn.dot_product_attention(implementation="cudnn")` calls), with its float32 lse.
 
@@ -138,6 +143,7 @@ def cudnn_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, 
     folds into it.
     """
     del kv_pos, block
+    assert mask is None and bias is None and window is None  # refused by eligibility
     lengths = visible_lengths(kv_length, q_offset, causal=causal, dims=dims)
     out, lse = _cudnn_kernel(dims.layout, float(scale), dims.q_seq)(q, k, v, lengths)
     return empty_rows(out, lse, (lengths > 0)[:, None, None])
@@ -164,7 +170,21 @@ def pallas_head_dim(dims: Dims) -> int:
 
 
 def pallas_forward(
-    q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block, interpret: bool
+    q,
+    k,
+    v,
+    q_offset,
+    kv_length,
+    kv_pos,
+    mask,
+    bias,
+    *,
+    dims,
+    causal,
+    window,
+    scale,
+    block,
+    interpret: bool,
 ):
     """The Pallas split-K decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`),
     one query per row; interpreted off GPUs. `m + log(l)` of its residuals is the lse.
@@ -175,6 +195,7 @@ def pallas_forward(
     `jax.default_matmul_precision("highest")`, which the Triton lowering maps to IEEE dots
     (its default is TF32, ~1e-3 relative)."""
     del kv_pos, block
+    assert mask is None and bias is None and window is None  # refused by eligibility
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     b, kh, g = dims.batch, dims.kv_heads, dims.group

@@ -339,7 +339,7 @@ def kernel_info() -> dict[str, Any] | None:
     return None if load_kernel() is not None else dict(_loaded)
 
 
-def _ffi(q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos):
+def _ffi(q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos, window=None):
     batch, q_seq, heads, _ = q.shape
     out_types = (
         jax.ShapeDtypeStruct((batch, q_seq, heads, v.shape[-1]), q.dtype),
@@ -359,18 +359,20 @@ def _ffi(q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos
         kv_pos,
         scale=np.float32(scale),
         causal=causal,
+        window_left=np.int64(-1 if window is None else window[0]),
+        window_right=np.int64(-1 if window is None else window[1]),
         layout=layout,
         has_pos=has_pos,
     )
 
 
 @functools.cache
-def _kernel(scale: float, causal: bool, layout: str, has_pos: bool):
+def _kernel(scale: float, causal: bool, window, layout: str, has_pos: bool):
     """The kernel call for one set of static attributes, with a vmap rule: a vmapped axis over
     batched K/V (a batch of caches) joins the kernel's batch axis, so `jax.vmap` costs one call,
     not a loop; with K/V shared across the axis, the calls run one after another (folding them
     in would copy the cache)."""
-    attrs = dict(scale=scale, causal=causal, layout=layout, has_pos=has_pos)
+    attrs = dict(scale=scale, causal=causal, window=window, layout=layout, has_pos=has_pos)
 
     @jax.custom_batching.custom_vmap
     def kernel(q, k, v, q_offset, kv_length, kv_pos):
@@ -399,14 +401,19 @@ def _kernel(scale: float, causal: bool, layout: str, has_pos: bool):
     return kernel
 
 
-def cpu_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+def cpu_forward(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
+):
     """`(out, lse)` from the C++ kernel (loaded by `load_kernel()`, which eligibility calls
     first): online softmax over blocks of 512 keys, each K and V row read once; batch rows
-    x kv heads run on XLA's intra-op thread pool. Offsets, lengths and positions arrive int32."""
+    x kv heads run on XLA's intra-op thread pool. Offsets, lengths and positions arrive int32.
+    A sliding window is a per-row range of key positions; masks and biases are refused by
+    eligibility."""
     del block
+    assert mask is None and bias is None
     has_pos = kv_pos is not None
     if kv_pos is None:
         kv_pos = jnp.zeros((dims.batch, 0), jnp.int32)
-    kernel = _kernel(float(scale), bool(causal), str(dims.layout), has_pos)
+    kernel = _kernel(float(scale), bool(causal), window, str(dims.layout), has_pos)
     out, lse = kernel(q, k, v, q_offset, kv_length, kv_pos)
     return out, jnp.swapaxes(lse, 1, 2)  # the kernel writes [batch, heads, q_seq]

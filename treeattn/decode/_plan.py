@@ -12,10 +12,16 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from .._numerics import Dims, Layout
+from .._numerics import Dims, Layout, Window, check_window
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
-from ._checks import check_decode, per_row, positions_per_row
+from ._checks import (
+    check_decode,
+    check_logits_operand,
+    check_shard_lengths,
+    per_row,
+    positions_per_row,
+)
 from ._flash import run_kernel
 from ._registry import Backend, Choice, kernel_call, resolve
 
@@ -29,6 +35,10 @@ class DecodePlan:
     causal: bool
     kernel: Choice  # resolved for one shard, per lowering platform
     positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
+    window: Window | None = None  # a sliding window by absolute position
+    has_mask: bool = False  # a mask [batch, #heads, #q_seq, kv_seq], sharded with K/V
+    has_bias: bool = False  # a bias, the same
+    per_shard: bool = False  # lengths are [batch, devices]: each shard's filled slots
 
     @property
     def axis_name(self) -> AxisName:
@@ -40,25 +50,33 @@ class DecodePlan:
 
     def shard_map(self, local):
         """`shard_map` over the cache: q, offsets, lengths replicated; K, V (and the key
-        positions) sharded along the sequence."""
+        positions, mask and bias) sharded along the sequence."""
         kv = self.sharding.spec(4, 1 + self.dims.seq_axis)
         pos = self.sharding.spec(2, 1) if self.positional else None
-        return self.sharding.shard_map(local, (P(), kv, kv, P(), P(), pos), P())
+        mask = self.sharding.spec(4, 3) if self.has_mask else None
+        bias = self.sharding.spec(4, 3) if self.has_bias else None
+        return self.sharding.shard_map(local, (P(), kv, kv, P(), P(), pos, mask, bias), P())
 
     def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
         """(q_offset, kv_length) of shard `shard` relative to its first key; unchanged when the
-        keys carry their own positions. A shard past the filled part gets length 0."""
+        keys carry their own positions; the shard's own fill with per-shard lengths (every
+        query sees every filled key: the offset is unused). A shard past the filled part gets
+        length 0."""
         if self.positional:
             return q_offset, kv_length
+        if self.per_shard:
+            return q_offset, jnp.clip(kv_length[:, shard], 0, self.dims.kv_seq)
         start = shard * self.dims.kv_seq
         return q_offset - start, jnp.clip(kv_length - start, 0, self.dims.kv_seq)
 
     def local_shard(self) -> Array:
         return lax.axis_index(self.axis_name)
 
-    def attend(self, shard, q, k, v, q_offset, kv_length, positions, *, scale: float):
-        """`(out float32, lse)` of the keys of shard `shard` (held by this device), on the
-        plan's kernel: the local step of tree decoding and of every ring hop."""
+    def attend(self, shard, q, k, v, q_offset, kv_length, positions, mask, bias, *, scale: float):
+        """`(out float32, lse)` of the keys of shard `shard` (held by this device, with its
+        slice of the mask and bias), on the plan's kernel: the local step of tree decoding and
+        of every ring hop. Positions stay absolute (the window and causality hold across
+        shards): the query offset is moved by the shard's first position."""
         q_off, kv_len = self.local_view(q_offset, kv_length, shard)
         out, lse = run_kernel(
             self.kernel,
@@ -68,8 +86,11 @@ class DecodePlan:
             q_off,
             kv_len,
             positions,
+            mask,
+            bias,
             dims=self.dims,
             causal=self.causal,
+            window=self.window,
             scale=scale,
         )
         return out.astype(jnp.float32), lse
@@ -91,9 +112,16 @@ def plan_decode(
     backend: Backend | Sequence[Backend],
     kv_positions,
     scale,
+    local_window_size=None,
+    mask=None,
+    bias=None,
+    shard_lengths=None,
 ):
-    """Check the arguments, pad the cache to a multiple of the device count if it must, and
-    plan the call. Returns `(plan, q, k, v, q_offset[batch], kv_length[batch], positions)`."""
+    """Check the arguments, pad the cache (and the mask and bias) to a multiple of the device
+    count if it must, and plan the call. Returns `(plan, q, k, v, q_offset[batch],
+    kv_length[batch], positions, mask, bias)`; with `shard_lengths`, the lengths are
+    `[batch, devices]` and the call is planned without causality (every query sees every
+    filled key)."""
     dims = check_decode(
         fn,
         q,
@@ -105,9 +133,29 @@ def plan_decode(
         kv_positions=kv_positions,
         scale=scale,
     )
+    window = check_window(fn, local_window_size)
+    mask = check_logits_operand(fn, "mask", mask, dims)
+    bias = check_logits_operand(fn, "bias", bias, dims)
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
+    if shard_lengths is not None:
+        if window is not None:
+            raise ValueError(
+                f"{fn}: local_window_size needs the keys' positions and shard_lengths gives "
+                "none; pass kv_positions and kv_length for a windowed call"
+            )
+        fills = check_shard_lengths(
+            fn,
+            shard_lengths,
+            dims,
+            sharding.devices,
+            causal=causal,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_positions=kv_positions,
+        )
+        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     positions = positions_per_row(kv_positions, dims)
     if positions is None:
@@ -125,6 +173,10 @@ def plan_decode(
         k, v = sharding.pad(k, 1 + dims.seq_axis), sharding.pad(v, 1 + dims.seq_axis)
         if positions is not None:  # padding slots sit beyond any length
             positions = sharding.pad(positions, 1, value=jnp.iinfo(jnp.int32).max)
+        if mask is not None:  # padding slots are hidden (they also sit past any length)
+            mask = sharding.pad(mask, 3, value=False)
+        if bias is not None:
+            bias = sharding.pad(bias, 3)
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
     call = kernel_call(
         local,
@@ -133,6 +185,46 @@ def plan_decode(
         has_length=True,
         q_offset=None,
         has_positions=positions is not None,
+        window=window,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
     )
-    plan = DecodePlan(sharding, local, causal, resolve(fn, backend, call), positions is not None)
-    return plan, q, k, v, offsets, lengths, positions
+    plan = DecodePlan(
+        sharding,
+        local,
+        causal,
+        resolve(fn, backend, call),
+        positions is not None,
+        window=window,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+    )
+    return plan, q, k, v, offsets, lengths, positions, mask, bias
+
+
+def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias):
+    """The plan of a call with per-shard fill lengths: each shard's kernel masks its slots by
+    a length alone, which every fused kernel takes (no positions, no causal mask, no copy)."""
+    lengths = jnp.maximum(fills, 0)  # a traced negative length sees no key
+    local = dataclasses.replace(dims, kv_seq=dims.kv_seq // sharding.devices)
+    call = kernel_call(
+        local,
+        jnp.result_type(q),
+        causal=False,
+        has_length=True,
+        q_offset=None,
+        has_positions=False,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+    )
+    plan = DecodePlan(
+        sharding,
+        local,
+        False,
+        resolve(fn, backend, call),
+        False,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+        per_shard=True,
+    )
+    return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None, mask, bias

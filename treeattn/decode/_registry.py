@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from .._numerics import Dims, compute_dtype
+from .._numerics import Dims, Window, compute_dtype
 from ._gpu import cudnn_forward, flash_attn_jax_forward, pallas_forward
 from ._native import cpu_forward, load_kernel
 from ._reference import reference_forward
@@ -195,6 +195,23 @@ class Call:
     platform: Platform  # the lowering platform
     host: Platform = "cpu"  # the platform of this process's default backend
     cuda: CudaTarget | None = None  # the local CUDA stack (for platform "cuda")
+    window: Window | None = None  # a sliding window (left, right) by absolute position
+    has_mask: bool = False  # a boolean mask [batch, #heads, #q_seq, kv_seq]
+    has_bias: bool = False  # an additive bias on the logits, same shape
+
+    def extras(self) -> str | None:
+        """What of a window, mask and bias this call uses (for the kernels that take none
+        of them), or None."""
+        used = [
+            name
+            for name, on in (
+                (f"local_window_size={self.window}", self.window is not None),
+                ("mask", self.has_mask),
+                ("bias", self.has_bias),
+            )
+            if on
+        ]
+        return ", ".join(used) or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +229,9 @@ def _cpu_why_not(call: Call) -> str | None:
         return f"it is an XLA:CPU FFI kernel (lowering for {call.platform})"
     if call.dtype not in (jnp.float32, jnp.bfloat16):
         return f"it takes float32/bfloat16 only, got {call.dtype}"
+    if call.has_mask or call.has_bias:
+        what = " and ".join(n for n, on in (("mask", call.has_mask), ("bias", call.has_bias)) if on)
+        return f"it masks by position and length only (a {what} was given)"
     return load_kernel()
 
 
@@ -224,6 +244,8 @@ def _pallas_why_not(call: Call) -> str | None:
         )
     if call.has_positions:
         return "it needs the keys in position order (kv_positions was given)"
+    if extras := call.extras():
+        return f"it masks by key length only ({extras} was given)"
     if dims.q_seq != 1:
         return f"it decodes one query per row (q_seq={dims.q_seq})"
     if call.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
@@ -244,6 +266,8 @@ def _cudnn_why_not(call: Call) -> str | None:
         return f"it is a cuDNN custom call, CUDA only (lowering for {call.platform})"
     if call.has_positions:
         return "it needs the keys in position order (kv_positions was given)"
+    if extras := call.extras():
+        return f"treeattn passes it key lengths only ({extras} was given)"
     if call.dtype not in (jnp.float16, jnp.bfloat16):
         return (
             f"cuDNN's fused attention takes float16/bfloat16 only, got {call.dtype} (cast the "
@@ -281,6 +305,8 @@ def _flash_attn_jax_why_not(call: Call) -> str | None:
         return f"it is a CUDA kernel (lowering for {call.platform})"
     if call.has_positions:
         return "it needs the keys in position order (kv_positions was given)"
+    if extras := call.extras():
+        return f"treeattn passes it a causal flag only ({extras} was given)"
     if call.dtype not in (jnp.float16, jnp.bfloat16):
         return f"it takes float16/bfloat16 only, got {call.dtype}"
     if dims.dv != dims.qk:
@@ -398,7 +424,16 @@ def resolve(fn: str, backend: str | Sequence[str], call: Call) -> Choice:
 
 
 def kernel_call(
-    dims: Dims, dtype, *, causal: bool, has_length: bool, q_offset, has_positions: bool
+    dims: Dims,
+    dtype,
+    *,
+    causal: bool,
+    has_length: bool,
+    q_offset,
+    has_positions: bool,
+    window: Window | None = None,
+    has_mask: bool = False,
+    has_bias: bool = False,
 ) -> Call:
     """The `Call` record of a kernel call, for this process's platform (`resolve` replaces the
     platform with each lowering platform in turn)."""
@@ -413,6 +448,9 @@ def kernel_call(
         platform=host,
         host=host,
         cuda=cuda_target(),
+        window=window,
+        has_mask=has_mask,
+        has_bias=has_bias,
     )
 
 
@@ -426,6 +464,9 @@ def select_backend(
     q_offset,
     has_positions: bool = False,
     platform: Platform | None = None,
+    window: Window | None = None,
+    has_mask: bool = False,
+    has_bias: bool = False,
 ) -> str:
     """The kernel `flash_attention` would run for a call of these sizes (`dims` of one call:
     batch and layout included) when lowered for `platform` (default: this process's);
@@ -437,6 +478,9 @@ def select_backend(
         has_length=has_length,
         q_offset=q_offset,
         has_positions=has_positions,
+        window=window,
+        has_mask=has_mask,
+        has_bias=has_bias,
     )
     return resolve("flash_attention", backend, call).kernel(platform or call.host)
 
@@ -472,28 +516,42 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
     """The forward of kernel `name` on `platform` (or the refusal `message`)."""
     gpu = platform in ("cuda", "rocm")
 
-    def run(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+    def run(
+        q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
+    ):
         out_dtype, lse_dtype = q.dtype, compute_dtype(q.dtype)
         if message is not None:
             out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), out_dtype)
             lse = jnp.full((dims.batch, dims.q_seq, dims.heads), -jnp.inf, lse_dtype)
             out, lse = unavailable_p.bind(out, lse, message=message)
             return out, lse
-        kw = dict(dims=dims, causal=causal, scale=scale)
+        kw = dict(dims=dims, causal=causal, window=window, scale=scale)
         # GPU dots on float32 run in TF32 (~1e-3 relative) unless asked for full precision.
         precise = gpu and jnp.dtype(q.dtype).itemsize >= 4
         with jax.default_matmul_precision("highest") if precise else contextlib.nullcontext():
             if name == "reference":
-                out, lse = reference_forward(q, k, v, q_offset, kv_length, kv_pos, **kw)
+                out, lse = reference_forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, **kw)
             elif name == "pallas":
                 interpret = platform != "cuda"  # Triton on CUDA; interpreted on CPU (tests)
                 out, lse = pallas_forward(
-                    q, k, v, q_offset, kv_length, kv_pos, **kw, block=block, interpret=interpret
+                    q,
+                    k,
+                    v,
+                    q_offset,
+                    kv_length,
+                    kv_pos,
+                    mask,
+                    bias,
+                    **kw,
+                    block=block,
+                    interpret=interpret,
                 )
             else:
                 forward = KERNELS[name].forward
                 assert forward is not None
-                out, lse = forward(q, k, v, q_offset, kv_length, kv_pos, **kw, block=block)
+                out, lse = forward(
+                    q, k, v, q_offset, kv_length, kv_pos, mask, bias, **kw, block=block
+                )
         return out.astype(out_dtype), lse.astype(lse_dtype)
 
     return run
@@ -501,8 +559,8 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
 
 @functools.cache
 def dispatch(choice: Choice) -> Callable:
-    """The forward of `choice`: `(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal,
-    scale, block) -> (out, lse)`, staging each platform's kernel with
+    """The forward of `choice`: `(q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims,
+    causal, window, scale, block) -> (out, lse)`, staging each platform's kernel with
     `jax.lax.platform_dependent`; platforms sharing a kernel share one branch."""
     per_platform: dict[str, tuple[str, str | None]] = {}
     for p, name in choice.kernels:
@@ -516,15 +574,19 @@ def dispatch(choice: Choice) -> Callable:
     }
     branches = {key: _branch(key[0], p, key[1]) for p, key in reversed(keys.items())}
 
-    def forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+    def forward(
+        q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
+    ):
         bound = {
-            key: functools.partial(b, dims=dims, causal=causal, scale=scale, block=block)
+            key: functools.partial(
+                b, dims=dims, causal=causal, window=window, scale=scale, block=block
+            )
             for key, b in branches.items()
         }
         by_platform = {p: bound[keys[p]] for p in PLATFORMS}
         default = by_platform.pop("tpu")
         return jax.lax.platform_dependent(
-            q, k, v, q_offset, kv_length, kv_pos, default=default, **by_platform
+            q, k, v, q_offset, kv_length, kv_pos, mask, bias, default=default, **by_platform
         )
 
     return forward

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jax
 from jax import lax
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_partials
@@ -36,6 +36,10 @@ def ring_decode(
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     """The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
@@ -47,7 +51,7 @@ def ring_decode(
     `tree_decode` and ignored: the ring is the schedule.
     """
     del reduction
-    plan, q, k, v, offsets, lengths, positions = plan_decode(
+    plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
         "ring_decode",
         q,
         k,
@@ -62,34 +66,41 @@ def ring_decode(
         backend=backend,
         kv_positions=kv_positions,
         scale=scale,
+        local_window_size=local_window_size,
+        mask=mask,
+        bias=bias,
+        shard_lengths=shard_lengths,
     )
     s = default_scale(plan.dims.qk, scale)
-    return _ring(plan, q, k, v, offsets, lengths, positions, scale=s)
+    return _ring(plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s)
 
 
 @jax.named_scope("ring_decode")
-def _ring(plan: DecodePlan, q, k, v, offsets, lengths, positions, *, scale):
+def _ring(plan: DecodePlan, q, k, v, offsets, lengths, positions, mask, bias, *, scale):
     p = plan.devices
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def local(q, k, v, offsets, lengths, positions):
+    def local(q, k, v, offsets, lengths, positions, mask, bias):
         me = plan.local_shard()
 
-        def attend(k, v, positions, step):
+        def attend(shard_kv, step):
             # After `step` hops this device holds the shard that started on device me - step.
             shard = (me - step) % p
-            return plan.attend(shard, q, k, v, offsets, lengths, positions, scale=scale)
+            k, v, positions, mask, bias = shard_kv
+            return plan.attend(shard, q, k, v, offsets, lengths, positions, mask, bias, scale=scale)
 
         def step(i, carry):
-            k, v, positions, out, lse = carry
-            # One hop: receive the previous device's shard (p - 1 hops in all).
-            k, v, positions = lax.ppermute((k, v, positions), plan.axis_name, perm=ring)
-            b_out, b_lse = attend(k, v, positions, i)
+            shard_kv, out, lse = carry
+            # One hop: receive the previous device's shard, with its key positions, mask and
+            # bias (p - 1 hops in all).
+            shard_kv = lax.ppermute(shard_kv, plan.axis_name, perm=ring)
+            b_out, b_lse = attend(shard_kv, i)
             out, lse = merge_partials(out, lse, b_out, b_lse)
-            return k, v, positions, out, lse
+            return shard_kv, out, lse
 
-        out, lse = attend(k, v, positions, 0)
-        _, _, _, out, lse = lax.fori_loop(1, p, step, (k, v, positions, out, lse))
+        shard_kv = (k, v, positions, mask, bias)
+        out, lse = attend(shard_kv, 0)
+        _, out, lse = lax.fori_loop(1, p, step, (shard_kv, out, lse))
         return out.astype(q.dtype)
 
-    return plan.shard_map(local)(q, k, v, offsets, lengths, positions)
+    return plan.shard_map(local)(q, k, v, offsets, lengths, positions, mask, bias)

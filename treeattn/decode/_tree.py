@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
@@ -35,6 +35,10 @@ def tree_decode(
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -59,6 +63,21 @@ def tree_decode(
       for caches whose slots are not in position order — e.g. appended round-robin over the
       devices so that the shards fill evenly; sharded along with K and V (cpu, xla and
       reference kernels).
+    - `local_window_size`, `mask`, `bias`: as in `flash_attention` (mask and bias broadcast
+      to `[batch, heads, q_seq, kv_seq]`, `kv_seq` the whole cache's). The window is by
+      absolute position, so each shard applies it to its own keys; the mask and bias are split
+      along `kv_seq` with the cache (padded with hidden slots when the cache is).
+    - `shard_lengths`: instead of `kv_length`/`kv_positions`, the number of filled slots at
+      the front of each of the p shards (`[devices]` or `[batch, devices]`, in `kv_axis`
+      order): shard $d$ attends to its slots $a < \ell_d$,
+      $$o = \frac{\sum_d \sum_{a < \ell_d} e^{s\,q\cdot k_{d,a}} v_{d,a}}
+             {\sum_d \sum_{a < \ell_d} e^{s\,q\cdot k_{d,a}}}.$$
+      For calls in which every query sees every filled key (one query after the cache — a
+      decode step, where `causal=True` is allowed — or any non-causal call); a round-robin
+      cache is in position order within each shard, so this is the same attention as its
+      `kv_positions`, told by a length that the fused GPU kernels (cuDNN, Pallas) take.
+      Excludes `kv_length`, `q_offset` and `kv_positions`; `kv_seq` must divide by p. Values
+      must lie in `[0, kv_seq / p]` (checked when concrete; traced ones are clipped).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
@@ -66,7 +85,7 @@ def tree_decode(
 
     **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
     """
-    plan, q, k, v, offsets, lengths, positions = plan_decode(
+    plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
         "tree_decode",
         q,
         k,
@@ -81,19 +100,25 @@ def tree_decode(
         backend=backend,
         kv_positions=kv_positions,
         scale=scale,
+        local_window_size=local_window_size,
+        mask=mask,
+        bias=bias,
+        shard_lengths=shard_lengths,
     )
     s = default_scale(plan.dims.qk, scale)
-    return _tree(plan, q, k, v, offsets, lengths, positions, scale=s, reduction=reduction)
+    return _tree(
+        plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s, reduction=reduction
+    )
 
 
 @jax.named_scope("tree_decode")
-def _tree(plan: DecodePlan, q, k, v, offsets, lengths, positions, *, scale, reduction):
-    def local(q, k, v, offsets, lengths, positions):
+def _tree(plan: DecodePlan, q, k, v, offsets, lengths, positions, mask, bias, *, scale, reduction):
+    def local(q, k, v, offsets, lengths, positions, mask, bias):
         out, lse = plan.attend(
-            plan.local_shard(), q, k, v, offsets, lengths, positions, scale=scale
+            plan.local_shard(), q, k, v, offsets, lengths, positions, mask, bias, scale=scale
         )
         merged, _ = merge_across(out, lse, axis_name=plan.axis_name, reduction=reduction)
         assert merged is not None
         return merged.astype(q.dtype)
 
-    return plan.shard_map(local)(q, k, v, offsets, lengths, positions)
+    return plan.shard_map(local)(q, k, v, offsets, lengths, positions, mask, bias)

@@ -3,7 +3,9 @@ shares.
 
 A kernel maps the common call — `q[batch, q_seq, heads, qk]`, K/V in the call's layout,
 absolute query positions `q_offset[batch]`, filled lengths `kv_length[batch]`, optional key
-positions `kv_pos[batch, kv_seq]` — to `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input
+positions `kv_pos[batch, kv_seq]`, an optional boolean `mask` and additive `bias` (each
+`[batch, #heads, #q_seq, kv_seq]`, axes of size 1 broadcast), and the static `causal` and
+sliding `window` — to `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input
 dtype and `lse[batch, q_seq, heads]` float32 (float64 for float64 inputs), natural log, the
 free energy at $\zeta = 0$ of the keys each row sees (`-inf` for none).
 """
@@ -25,6 +27,7 @@ from .._numerics import (
     from_rows,
     lse_from_rows,
     lse_to_rows,
+    rows_bias,
     rows_visibility,
     to_rows,
     visibility,
@@ -62,33 +65,63 @@ def _hide_unseen(x, vis, dims: Dims):
     return jnp.where(seen, x, jnp.zeros((), x.dtype))
 
 
-def _block_visibility(dims: Dims, size, start, first, kv_pos, q_offset, kv_length, causal):
-    """Visibility `[1, #rows, size]` of the keys in slots `start .. start + size`: the
-    `visibility` of their positions, minus slots before `first` (covered by the previous
-    block)."""
-    slot = start + jnp.arange(size, dtype=jnp.int32)
-    pos = slot if kv_pos is None else lax.dynamic_slice_in_dim(kv_pos, start, size)
-    block = dataclasses.replace(dims, kv_seq=size)
-    vis = visibility(
-        block,
-        causal=causal,
-        q_offset=q_offset,
-        kv_positions=pos,
-        kv_length=kv_length,
-        slots=slot >= first,
-    )
-    vis = rows_visibility(vis, block)
-    assert vis is not None  # `slots` is always given
-    return vis
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q_offset", "kv_length", "kv_pos", "mask", "bias"],
+    meta_fields=["causal", "window"],
+)
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """What decides the keys one batch row sees, besides the keys themselves: query offset,
+    filled length, key positions, mask and bias of that row (`mask`/`bias`
+    `[#heads, #q_seq, kv_seq]`), the static causal flag and window."""
+
+    q_offset: jax.Array
+    kv_length: jax.Array
+    kv_pos: jax.Array | None
+    mask: jax.Array | None
+    bias: jax.Array | None
+    causal: bool
+    window: tuple[int, int] | None
+
+    def block(self, dims: Dims, size: int, start, first):
+        """Visibility `[#kv_heads, #rows, size]` of the keys in slots `start .. start + size`
+        (the `visibility` of their positions, minus slots before `first`, covered by the
+        previous block), and the block's bias in the rows layout (or None)."""
+        slot = start + jnp.arange(size, dtype=jnp.int32)
+        pos = slot if self.kv_pos is None else lax.dynamic_slice_in_dim(self.kv_pos, start, size)
+        block = dataclasses.replace(dims, kv_seq=size)
+
+        def cut(x):
+            if x is None or x.shape[-1] == size:
+                return x
+            return lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)
+
+        vis = visibility(
+            block,
+            causal=self.causal,
+            q_offset=self.q_offset,
+            kv_positions=pos,
+            kv_length=self.kv_length,
+            slots=slot >= first,
+            mask=cut(self.mask),
+            window=self.window,
+        )
+        vis = rows_visibility(vis, block)
+        assert vis is not None  # `slots` is always given
+        bias = cut(self.bias)
+        return vis, None if bias is None else rows_bias(bias, block)
 
 
-def _block_partial(qr, kb, vb, visible, dims: Dims, *, hide: bool = True):
+def _block_partial(qr, kb, vb, visible, bias, dims: Dims, *, hide: bool = True):
     """`(out, lse)` of one block of keys with one exponential pass, in the rows layout: out
     normalised, lse the block's free energy; a row that sees no key gives (0, -inf). With
     `hide`, values no row sees are zeroed first (not needed when every key is seen)."""
     if hide:
         vb = _hide_unseen(vb, visible, dims)
     logits = jnp.einsum(f"kmd,{_k_spec(dims)}->kmb", qr, kb)
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
     x = jnp.where(visible, logits, -jnp.inf)
     m = jnp.max(x, axis=-1, initial=-jnp.inf)
     finite = jnp.isfinite(m)
@@ -116,29 +149,42 @@ def block_size(dims: Dims, block: int | None) -> int:
     return max(1, min(dims.kv_seq, budget))
 
 
-def _dense_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale):
-    """One batch row as one block (no loop), for a call in which every key is seen by some
-    query: all logits at once, nothing to mask out of the values."""
+def _dense_row(q, k, v, row: Row, *, dims: Dims, scale):
+    """One batch row as one block (no loop), for a call in which every key up to the filled
+    length is seen by some query (values of keys hidden by a mask or window are zeroed)."""
     ct = compute_dtype(q.dtype)
     qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
-    vis = _block_visibility(dims, dims.kv_seq, 0, 0, kv_pos, q_offset, kv_length, causal)
-    out, lse = _block_partial(qr, k.astype(ct), v.astype(ct), vis, dims, hide=False)
+    vis, bias = row.block(dims, dims.kv_seq, 0, 0)
+    hide = row.mask is not None or row.window is not None
+    out, lse = _block_partial(qr, k.astype(ct), v.astype(ct), vis, bias, dims, hide=hide)
     return from_rows(out, dims).astype(q.dtype), lse_from_rows(lse, dims)
 
 
-def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale, block):
-    """One batch row: online softmax over blocks of `block` keys, merged with
-    `merge_partials`. Blocks past the filled length (or past the last query, when causal) are
-    not visited, so a partly filled cache costs what its filled part costs."""
-    ct = compute_dtype(q.dtype)
-    qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
-    size = min(block, dims.kv_seq)
+def _limit(dims: Dims, q_offset, kv_length, causal, window):
+    """The first slot past every key any query could see, when keys are in position order."""
     limit = kv_length
     if causal:
         limit = jnp.minimum(limit, q_offset + dims.q_seq)
+    if window is not None:
+        limit = jnp.minimum(limit, q_offset + dims.q_seq + window[1])
+    return limit
+
+
+def _xla_row(q, k, v, row: Row, *, dims: Dims, scale, block):
+    """One batch row: online softmax over blocks of `block` keys, merged with
+    `merge_partials`. Blocks past the filled length (or past the last query, when causal, or
+    outside every query's window) are not visited, so a partly filled cache costs what its
+    filled part costs and a sliding window what the window costs."""
+    ct = compute_dtype(q.dtype)
+    qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
+    size = min(block, dims.kv_seq)
+    limit = _limit(dims, row.q_offset, row.kv_length, row.causal, row.window)
     total_blocks = -(-dims.kv_seq // size)
-    if kv_pos is None:  # contiguous: blocks past the limit hold no visible key
+    lo = 0
+    if row.kv_pos is None:  # contiguous: blocks past the limit hold no visible key
         n_blocks = jnp.clip((limit + size - 1) // size, 0, total_blocks)
+        if row.window is not None:
+            lo = jnp.clip((row.q_offset - row.window[0]) // size, 0, n_blocks)
     else:
         n_blocks = total_blocks
     ax = dims.seq_axis
@@ -151,8 +197,8 @@ def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale,
         start = jnp.minimum(first, dims.kv_seq - size)
         kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
         vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
-        vis = _block_visibility(dims, size, start, first, kv_pos, q_offset, kv_length, causal)
-        b_out, b_lse = _block_partial(qr, kb, vb, vis, dims)
+        vis, bias = row.block(dims, size, start, first)
+        b_out, b_lse = _block_partial(qr, kb, vb, vis, bias, dims)
         out, lse = merge_partials(out, lse, b_out, b_lse)
         assert out is not None
         return out, lse
@@ -161,18 +207,20 @@ def _xla_row(q, k, v, q_offset, kv_length, kv_pos, *, dims: Dims, causal, scale,
         jnp.zeros((dims.kv_heads, dims.rows, dims.dv), ct),
         jnp.full((dims.kv_heads, dims.rows), -jnp.inf, ct),
     )
-    init = match_vma(init, q, k, v, q_offset, kv_length)
-    out, lse = lax.fori_loop(0, n_blocks, body, init)
+    init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.mask, row.bias)
+    out, lse = lax.fori_loop(lo, n_blocks, body, init)
     return from_rows(out, dims).astype(q.dtype), lse_from_rows(lse, dims)
 
 
-def _empty(q, k, v, q_offset, kv_length, dims: Dims):
+def _empty(q, k, v, q_offset, kv_length, mask, bias, dims: Dims):
     out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
     lse = jnp.full((dims.batch, dims.q_seq, dims.heads), -jnp.inf, compute_dtype(q.dtype))
-    return match_vma((out, lse), q, k, v, q_offset, kv_length)
+    return match_vma((out, lse), q, k, v, q_offset, kv_length, mask, bias)
 
 
-def xla_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, block):
+def xla_forward(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
+):
     """The portable kernel. Three cases, chosen at run time:
 
     - no row sees a key (a shard past the filled part of a cache): no work, `(0, -inf)`;
@@ -182,19 +230,19 @@ def xla_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, bl
       `(out, lse)` merged with `merge_partials`; blocks past the filled length are not visited
       and the unfilled keys of the last one are masked out of the values (they may hold NaN).
     """
-    kw = dict(dims=dims, causal=causal, scale=scale)
-    blocked = functools.partial(_xla_row, block=block_size(dims, block), **kw)
-    limit = jnp.minimum(kv_length, q_offset + dims.q_seq) if causal else kv_length
+    blocked = functools.partial(_xla_row, dims=dims, scale=scale, block=block_size(dims, block))
+    limit = _limit(dims, q_offset, kv_length, causal, window)
     first_pos = 0 if kv_pos is None else jnp.min(kv_pos, axis=-1)
+    rows = Row(q_offset, kv_length, kv_pos, mask, bias, causal, window)
     branches = [
-        lambda: _empty(q, k, v, q_offset, kv_length, dims),
-        lambda: jax.vmap(blocked)(q, k, v, q_offset, kv_length, kv_pos),
+        lambda: _empty(q, k, v, q_offset, kv_length, mask, bias, dims),
+        lambda: jax.vmap(blocked)(q, k, v, rows),
     ]
     case = jnp.where(jnp.any(first_pos < limit), 1, 0)
     dense_fits = dims.kv_heads * dims.rows * dims.kv_seq <= LOGITS_BUDGET or block is not None
     if kv_pos is None and dense_fits and (block is None or block >= dims.kv_seq):
-        dense = functools.partial(_dense_row, **kw)
-        branches.append(lambda: jax.vmap(dense)(q, k, v, q_offset, kv_length, kv_pos))
+        dense = functools.partial(_dense_row, dims=dims, scale=scale)
+        branches.append(lambda: jax.vmap(dense)(q, k, v, rows))
         case = jnp.where(jnp.all(limit >= dims.kv_seq), 2, case)
     with jax.named_scope("flash_xla"):
         return lax.switch(case, branches)
@@ -205,29 +253,15 @@ def xla_forward(q, k, v, q_offset, kv_length, kv_pos, *, dims, causal, scale, bl
 # ---------------------------------------------------------------------------------------------
 
 
-def _backward_row(
-    q,
-    k,
-    v,
-    q_offset,
-    kv_length,
-    kv_pos,
-    out,
-    lse,
-    d_out,
-    d_lse,
-    *,
-    dims: Dims,
-    causal,
-    scale,
-    block,
-):
-    r"""Cotangents of (q, k, v) for one batch row, one block of keys at a time.
+def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scale, block):
+    r"""Cotangents of (q, k, v, bias) for one batch row, one block of keys at a time.
 
     With $p_a = e^{x_a - \mathrm{lse}}$: $\partial x_a = p_a(\bar o\cdot v_a - \bar o\cdot o +
     \overline{\mathrm{lse}})$, $\bar q = s\sum_a \partial x_a k_a$,
     $\bar k_a = s\sum \partial x_a q$, $\bar v_a = \sum p_a \bar o$ (FlashAttention-2's
-    backward, plus the lse cotangent). Hidden keys get exactly 0 (`where`), whatever they hold.
+    backward, plus the lse cotangent); the bias is added to $x$, so $\bar b = \partial x$
+    (summed over the axes it broadcasts along). Hidden keys get exactly 0 (`where`), whatever
+    they hold.
     """
     ct = compute_dtype(q.dtype)
     qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
@@ -240,51 +274,68 @@ def _backward_row(
     size = block_size(dims, block)
     ax = dims.seq_axis
     ks, vs = _k_spec(dims), _v_spec(dims)
+    has_bias = row.bias is not None
 
     def block_grads(kb, vb, start, first):
-        vis = _block_visibility(dims, size, start, first, kv_pos, q_offset, kv_length, causal)
+        vis, bias = row.block(dims, size, start, first)
         kb, vb = _hide_unseen(kb, vis, dims), _hide_unseen(vb, vis, dims)
         logits = jnp.einsum(f"kmd,{ks}->kmb", qr, kb)
+        if bias is not None:
+            logits = logits + bias.astype(ct)
         p = jnp.where(vis, jnp.exp(logits - lse_safe[..., None]), 0.0)
         dp = jnp.einsum(f"kmv,{vs}->kmb", do, vb)
         dx = jnp.where(vis, p * (dp - delta[..., None]), 0.0)
         dq_b = jnp.einsum(f"kmb,{ks}->kmd", dx, kb)
         dk_b = jnp.einsum(f"kmb,kmd->{ks}", dx, qr)
         dv_b = jnp.einsum(f"kmb,kmv->{vs}", p, do)
-        return dq_b, dk_b, dv_b
+        # dx [kv_heads, rows, b] -> [heads, q_seq, b], summed to the bias's broadcast shape.
+        db_b = None
+        if has_bias:
+            assert row.bias is not None
+            db_b = dx.reshape(dims.heads, dims.q_seq, -1)
+            db_b = jnp.sum(
+                db_b, axis=tuple(i for i in (0, 1) if row.bias.shape[i] == 1), keepdims=True
+            )
+        return dq_b, dk_b, dv_b, db_b
+
+    def add_at(total, part, start, axis):
+        # Add (not write): keys shared with the previous block got 0 here.
+        current = lax.dynamic_slice_in_dim(total, start, size, axis=axis)
+        return lax.dynamic_update_slice_in_dim(total, current + part, start, axis=axis)
 
     def body(i, carry):
-        dq, dk, dv = carry
+        dq, dk, dv, db = carry
         first = i * size
         start = jnp.minimum(first, dims.kv_seq - size)
         kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
         vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
-        dq_b, dk_b, dv_b = block_grads(kb, vb, start, first)
-        dq = dq + dq_b
-        # Add (not write): keys shared with the previous block got 0 here.
-        dk = lax.dynamic_update_slice_in_dim(
-            dk, lax.dynamic_slice_in_dim(dk, start, size, axis=ax) + dk_b, start, axis=ax
-        )
-        dv = lax.dynamic_update_slice_in_dim(
-            dv, lax.dynamic_slice_in_dim(dv, start, size, axis=ax) + dv_b, start, axis=ax
-        )
-        return dq, dk, dv
+        dq_b, dk_b, dv_b, db_b = block_grads(kb, vb, start, first)
+        dk, dv = add_at(dk, dk_b, start, ax), add_at(dv, dv_b, start, ax)
+        if has_bias:
+            db = add_at(db, db_b, start, 2)
+        return dq + dq_b, dk, dv, db
 
     if size >= dims.kv_seq:
-        dq, dk, dv = block_grads(k.astype(ct), v.astype(ct), 0, 0)
+        dq, dk, dv, db = block_grads(k.astype(ct), v.astype(ct), 0, 0)
     else:
-        init = (jnp.zeros(qr.shape, ct), jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct))
-        init = match_vma(init, q, k, v, q_offset, kv_length, out, lse, d_out, d_lse)
-        dq, dk, dv = lax.fori_loop(0, -(-dims.kv_seq // size), body, init)
+        db0 = None if row.bias is None else jnp.zeros(row.bias.shape, ct)
+        init = (jnp.zeros(qr.shape, ct), jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct), db0)
+        init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.bias, out, lse, d_out)
+        dq, dk, dv, db = lax.fori_loop(0, -(-dims.kv_seq // size), body, init)
     dq = from_rows(dq * jnp.asarray(scale, ct), dims)
     # dk picked up q * scale already (qr is scaled).
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if db is not None:
+        assert row.bias is not None
+        db = db.astype(row.bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7, 8, 9, 10))
-def fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block):
-    """`forward(q, k, v, q_offset, kv_length, kv_pos, ...)` -> (out, lse), with the blockwise
-    backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 9, 10, 11, 12, 13))
+def fused(
+    forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, dims, causal, window, scale, block
+):
+    """`forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, ...)` -> (out, lse), with
+    the blockwise backward (differentiable in q, k, v and the bias).
 
     Kernels whose lse is not differentiable (or whose forward cannot be differentiated at all:
     Pallas, cuDNN's residual, flash-attn-jax, the C++ kernel, a dynamic-length loop) get their
@@ -292,31 +343,56 @@ def fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, bl
     them; use reverse mode, or `backend="reference"`, which JAX differentiates either way.
     """
     return forward(
-        q, k, v, q_offset, kv_length, kv_pos, dims=dims, causal=causal, scale=scale, block=block
+        q,
+        k,
+        v,
+        q_offset,
+        kv_length,
+        kv_pos,
+        mask,
+        bias,
+        dims=dims,
+        causal=causal,
+        window=window,
+        scale=scale,
+        block=block,
     )
 
 
-def _fused_fwd(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block):
+def _fused_fwd(
+    forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, dims, causal, window, scale, block
+):
     # Calling `fused` (not `forward`) here keeps the residuals differentiable through this
     # same rule, so the gradient can itself be differentiated (training through attention).
-    out, lse = fused(forward, q, k, v, q_offset, kv_length, kv_pos, dims, causal, scale, block)  # type: ignore[misc]
-    return (out, lse), (q, k, v, q_offset, kv_length, kv_pos, out, lse)
+    args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias)
+    out, lse = fused(forward, *args, dims, causal, window, scale, block)  # type: ignore[misc]
+    return (out, lse), (*args, out, lse)
 
 
-def _fused_bwd(forward, dims, causal, scale, block, res, cts):
-    q, k, v, q_offset, kv_length, kv_pos, out, lse = res
+def _fused_bwd(forward, dims, causal, window, scale, block, res, cts):
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, out, lse = res
     d_out, d_lse = cts
-    row = functools.partial(_backward_row, dims=dims, causal=causal, scale=scale, block=block)
+    row_fn = functools.partial(_backward_row, dims=dims, scale=scale, block=block)
+    rows = Row(q_offset, kv_length, kv_pos, mask, bias, causal, window)
     # On GPUs float32 dots default to TF32 (~1e-3 relative); the backward of float32 inputs
     # asks for full precision (XLA:CPU computes float32 dots in full precision either way).
     precise = jnp.dtype(q.dtype).itemsize >= 4
     with jax.default_matmul_precision("highest") if precise else contextlib.nullcontext():
-        dq, dk, dv = jax.vmap(row)(q, k, v, q_offset, kv_length, kv_pos, out, lse, d_out, d_lse)
+        dq, dk, dv, db = jax.vmap(row_fn)(q, k, v, rows, out, lse, d_out, d_lse)
 
     def no_cotangent(x):
         return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
-    return (dq, dk, dv, no_cotangent(q_offset), no_cotangent(kv_length), no_cotangent(kv_pos))
+    return (
+        dq,
+        dk,
+        dv,
+        no_cotangent(q_offset),
+        no_cotangent(kv_length),
+        no_cotangent(kv_pos),
+        no_cotangent(mask),
+        db,
+    )
 
 
 fused.defvjp(_fused_fwd, _fused_bwd)

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import (
     Dims,
     as_position,
+    check_window,
     compute_dtype,
     default_scale,
     finite_rows,
@@ -212,6 +213,7 @@ def causal_free_energy(
     *,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The causal free energy $F_\mathrm{tot}$ of eq. (16), one source per query.
@@ -225,8 +227,9 @@ def causal_free_energy(
     only key 0). `q_offset` may be traced, so a decode loop does not recompile.
 
     **Arguments:** `q[q_seq, qk]`, `k[kv_seq, qk]`, `v[kv_seq, dv]`, `zeta[q_seq, dv]`, `scale`
-    (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array), `energy` (default
-    `Softmax()`).
+    (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array), `local_window_size`
+    (a sliding window, see `multihead_free_energy`; `(w, 0)` keeps the last `w + 1` tokens),
+    `energy` (default `Softmax()`).
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs).
     """
@@ -249,6 +252,7 @@ def causal_free_energy(
         mask=None,
         scale=scale,
         q_offset=q_offset,
+        local_window_size=local_window_size,
         energy=energy,
     )
 
@@ -263,6 +267,7 @@ def multihead_free_energy(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of eqs. (18-19), with grouped key/value heads.
@@ -281,6 +286,9 @@ def multihead_free_energy(
     - `mask`: boolean `[q_seq, kv_seq]` (all heads) or `[heads, q_seq, kv_seq]`; True = visible.
       Combined with `causal` by "and".
     - `scale`: default $1/\sqrt{qk}$. `q_offset`: position of query 0 (int or traced scalar).
+    - `local_window_size`: a sliding window by absolute position (jax's meaning): `(left,
+      right)` lets query position $i$ see keys $j$ with $i - \mathrm{left} \le j \le i +
+      \mathrm{right}$; an int `w` is `(w, w)`. Combined with `causal` and `mask` by "and".
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
@@ -297,28 +305,45 @@ def multihead_free_energy(
         mask=mask,
         scale=scale,
         q_offset=q_offset,
+        local_window_size=local_window_size,
         energy=energy,
     )
 
 
-def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset, energy) -> Array:
+def _multihead(
+    fn, q, k, v, zeta, *, causal, mask, scale, q_offset, local_window_size=None, energy=SOFTMAX
+) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
+    window = check_window(fn, local_window_size)
     check_energy(fn, energy)
     if not is_plain_softmax(energy):
         from ._generic import total_energy
 
         q_pos = as_position(q_offset)
+        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
         return total_energy(energy, q, k, v, zeta, mask, q_pos, causal=causal, scale=scale)
-    return _total_energy(q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale)
+    return _total_energy(
+        q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale, window=window
+    )
+
+
+def _with_window(mask, window, q_seq, kv_seq, q_offset):
+    """`mask` and the sliding `window` by absolute position (query `q_offset + i`, key `a`)."""
+    if window is None:
+        return mask
+    i = q_offset + jnp.arange(q_seq)[:, None]
+    a = jnp.arange(kv_seq)[None, :]
+    inside = (a >= i - window[0]) & (a <= i + window[1])
+    return inside if mask is None else jnp.logical_and(mask, inside)
 
 
 # The public functions validate their arguments, then call a jitted core: called eagerly they
 # compile once per shape (rather than op by op), and a new `q_offset` does not recompile.
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def _total_energy(q, k, v, zeta, mask, q_offset, *, causal, scale) -> Array:
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
+def _total_energy(q, k, v, zeta, mask, q_offset, *, causal, scale, window=None) -> Array:
     dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
     return jnp.sum(energy_terms(q, k, v, zeta, vis, default_scale(dims.qk, scale), dims))
 
 
@@ -336,6 +361,7 @@ def energy_attention(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
@@ -364,19 +390,23 @@ def energy_attention(
     """
     check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
     check_q_offset("energy_attention", q_offset)
+    window = check_window("energy_attention", local_window_size)
     check_energy("energy_attention", energy)
     if not is_plain_softmax(energy):
         from ._generic import attention
 
         q_pos = as_position(q_offset)
+        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
         return attention(energy, q, k, v, mask, q_pos, causal=causal, scale=scale)
-    return _energy_attention(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
+    return _energy_attention(
+        q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def _energy_attention(q, k, v, mask, q_offset, *, causal, scale) -> Array:
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
+def _energy_attention(q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
     dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
     s = default_scale(dims.qk, scale)
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
@@ -397,6 +427,7 @@ def attention_reference(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    local_window_size: int | tuple[int, int] | None = None,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Softmax attention written out in float32: the twin of
     [`energy_attention`][treeattn.energy.energy_attention], with the same signature.
@@ -409,13 +440,16 @@ def attention_reference(
     """
     check_multihead("attention_reference", q, k, v, mask=mask, scale=scale)
     check_q_offset("attention_reference", q_offset)
-    return _attention_reference(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
+    window = check_window("attention_reference", local_window_size)
+    return _attention_reference(
+        q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def _attention_reference(q, k, v, mask, q_offset, *, causal, scale) -> Array:
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
+def _attention_reference(q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
     dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
     ct = compute_dtype(q.dtype)
     k, v, bad = finite_kv(k, v)
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Dims, compute_dtype, default_scale, visibility
+from .._numerics import Dims, Window, check_window, compute_dtype, default_scale, visibility
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
@@ -37,6 +37,7 @@ class _OnMesh:
     causal: bool
     reduction: Reduction
     zeta_at_zero: bool
+    window: Window | None = None
 
     @property
     def axis_name(self) -> AxisName:
@@ -60,6 +61,7 @@ class _OnMesh:
             mask=a.get("mask"),
             q_offset=a["q_offset"],
             kv_offset=kv_offset,
+            window=self.window,
         )
 
     def static(self):
@@ -113,11 +115,26 @@ _mesh_terms.defvjp(_mesh_terms_fwd, _mesh_terms_bwd)
 
 
 def _setup(
-    fn, q, k, v, zeta, *, mesh, kv_axis, causal, mask, scale, q_offset, reduction, zeta_at_zero
+    fn,
+    q,
+    k,
+    v,
+    zeta,
+    *,
+    mesh,
+    kv_axis,
+    causal,
+    mask,
+    scale,
+    q_offset,
+    reduction,
+    zeta_at_zero,
+    local_window_size=None,
 ):
     """Validate, pad the sequence to a multiple of the device count, and build the config."""
     dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
+    window = check_window(fn, local_window_size)
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     check_reduction(fn, reduction, sharding.axis_name)
     pad = sharding.padding(dims.kv_seq)
@@ -130,7 +147,9 @@ def _setup(
         else:
             mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
-    plan = _OnMesh(sharding, local, default_scale(dims.qk, scale), causal, reduction, zeta_at_zero)
+    plan = _OnMesh(
+        sharding, local, default_scale(dims.qk, scale), causal, reduction, zeta_at_zero, window
+    )
     if zeta is None:
         zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
     args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
@@ -152,6 +171,7 @@ def tree_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
@@ -161,7 +181,8 @@ def tree_free_energy(
     does not divide evenly is padded with masked keys (so some shards may hold no valid key at
     all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
     differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
-    for every schedule. Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
+    for every schedule. `local_window_size` is a sliding window by absolute position, as in
+    `multihead_free_energy`. Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
 
     ```python
     mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -182,17 +203,24 @@ def tree_free_energy(
         q_offset=q_offset,
         reduction=reduction,
         zeta_at_zero=False,
+        local_window_size=local_window_size,
     )
     check_energy("tree_free_energy", energy)
     if not is_plain_softmax(energy):
         from ._generic import mesh_total
 
-        return mesh_total(_generic_plan(plan, k, args), energy, args)
+        return mesh_total(_generic_plan(plan, k, args, "tree_free_energy", energy), energy, args)
     return _energy(plan, args)
 
 
-def _generic_plan(plan: _OnMesh, k, args: dict):
+def _generic_plan(plan: _OnMesh, k, args: dict, fn: str, energy):
     from ._generic import on_mesh_plan
+
+    if plan.window is not None:
+        raise ValueError(
+            f"{fn}: local_window_size={plan.window} is not supported with "
+            f"energy={type(energy).__name__}(...) on a mesh; use sharded_* with a mask"
+        )
 
     return on_mesh_plan(
         plan.sharding,
@@ -223,6 +251,7 @@ def tree_energy_attention(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of
@@ -249,12 +278,15 @@ def tree_energy_attention(
         q_offset=q_offset,
         reduction=reduction,
         zeta_at_zero=True,
+        local_window_size=local_window_size,
     )
     check_energy("tree_energy_attention", energy)
     if not is_plain_softmax(energy):
         from ._generic import mesh_attention
 
-        return mesh_attention(_generic_plan(plan, k, args), energy, args).astype(q.dtype)
+        return mesh_attention(
+            _generic_plan(plan, k, args, "tree_energy_attention", energy), energy, args
+        ).astype(q.dtype)
     return _attention(plan, args).astype(q.dtype)
 
 

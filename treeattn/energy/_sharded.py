@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import (
     Dims,
     as_position,
+    check_window,
     compute_dtype,
     default_scale,
     from_rows,
@@ -146,7 +147,22 @@ def _sharded_terms_bwd(*args):
 _sharded_terms.defvjp(_sharded_terms_fwd, _sharded_terms_bwd)
 
 
-def _prepare(fn, q, k, v, zeta, *, axis_name, causal, mask, scale, q_offset, kv_offset, reduction):
+def _prepare(
+    fn,
+    q,
+    k,
+    v,
+    zeta,
+    *,
+    axis_name,
+    causal,
+    mask,
+    scale,
+    q_offset,
+    kv_offset,
+    reduction,
+    local_window_size=None,
+):
     dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     check_reduction(fn, reduction, axis_name)
@@ -155,7 +171,10 @@ def _prepare(fn, q, k, v, zeta, *, axis_name, causal, mask, scale, q_offset, kv_
         kv_offset = lax.axis_index(axis_name) * dims.kv_seq
     else:
         check_q_offset(fn, kv_offset, name="kv_offset")
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, kv_offset=kv_offset)
+    window = check_window(fn, local_window_size)
+    vis = visibility(
+        dims, causal=causal, mask=mask, q_offset=q_offset, kv_offset=kv_offset, window=window
+    )
     return dims, vis, kv_offset
 
 
@@ -172,6 +191,7 @@ def sharded_free_energy(
     q_offset: int | Int[Array, ""] = 0,
     kv_offset: int | Int[Array, ""] | None = None,
     reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of keys and values sharded along `axis_name` (Algorithm 1).
@@ -190,14 +210,15 @@ def sharded_free_energy(
     the merged energies, and the gradient in `zeta` and `q` costs one more reduction (both sums
     packed in it); the gradients in the local `k` and `v` need none.
 
-    **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], plus
-    `axis_name` (a mesh axis name or tuple of names), `kv_offset`, and `reduction` in
-    `{"allreduce", "butterfly", "hierarchical"}` (`"butterfly"` needs `check_vma=False` on the
-    enclosing `shard_map`; `"hierarchical"` needs `axis_name=(slow, fast)`), and `energy`
-    (default `Softmax()`): any [`Energy`][treeattn.energy.Energy] reduces with its monoid's
-    schedule — a sum is one all-reduce, an ordered monoid one all-gather folded by `kv_offset`
-    (which, like `"butterfly"`, needs `check_vma=False`) — and its gradient costs one reduction
-    more.
+    **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy] (the
+    sliding `local_window_size` included: positions are absolute, so each shard applies it to
+    its own keys), plus `axis_name` (a mesh axis name or tuple of names), `kv_offset`, and
+    `reduction` in `{"allreduce", "butterfly", "hierarchical"}` (`"butterfly"` needs
+    `check_vma=False` on the enclosing `shard_map`; `"hierarchical"` needs
+    `axis_name=(slow, fast)`), and `energy` (default `Softmax()`): any
+    [`Energy`][treeattn.energy.Energy] reduces with its monoid's schedule — a sum is one
+    all-reduce, an ordered monoid one all-gather folded by `kv_offset` (which, like
+    `"butterfly"`, needs `check_vma=False`) — and its gradient costs one reduction more.
 
     **Returns:** the scalar $F_\mathrm{tot}$ (float32, or float64), replicated.
     """
@@ -216,6 +237,7 @@ def sharded_free_energy(
         q_offset=q_offset,
         kv_offset=kv_offset,
         reduction=reduction,
+        local_window_size=local_window_size,
     )
     s = default_scale(dims.qk, scale)
     if not is_plain_softmax(energy):
@@ -238,6 +260,7 @@ def sharded_energy_attention(
     q_offset: int | Int[Array, ""] = 0,
     kv_offset: int | Int[Array, ""] | None = None,
     reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over sharded keys as `jax.grad` of the sharded free energy at $\zeta = 0$.
@@ -266,6 +289,7 @@ def sharded_energy_attention(
         q_offset=q_offset,
         kv_offset=kv_offset,
         reduction=reduction,
+        local_window_size=local_window_size,
     )
     s = default_scale(dims.qk, scale)
     if not is_plain_softmax(energy):

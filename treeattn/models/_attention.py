@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Literal, get_args
@@ -107,12 +108,15 @@ def attend(
     mask: Bool[Array, ...] | None,
     kv_positions: Array | None,
     backend: AttentionBackend,
+    shard_lengths: Int[Array, " devices"] | None = None,
 ) -> Float[Array, "q_seq heads vo"]:
     """Attention of `q` over keys/values `[kv, kv_heads, d]` (`kv_layout="bshd"`, without the
     batch axis) or head-major `[kv_heads, kv, d]` (`"bhsd"`) on `backend`. Key slot `a` holds
     position `kv_positions[a]` (default `a`); it is visible when that position is below
     `kv_length` (if given: a partly filled cache) and, if `causal`, not after the query (query
-    `i` sits at `q_offset + i`)."""
+    `i` sits at `q_offset + i`). For `"tree"`, `shard_lengths` (the filled slots of each
+    shard of a round-robin cache) replaces `kv_length`, `q_offset` and positions where every
+    query sees every filled key."""
     name = backend.name
     if name in ("energy", "reference"):
         if kv_layout == "bhsd":  # a transposed copy of the cache: these are the checking paths;
@@ -156,21 +160,30 @@ def attend(
         )
         return out[0]
     assert backend.mesh is not None and backend.kv_axis is not None
+    per_shard = shard_lengths is not None
     out = decode.tree_decode(
         q[None],
         k[None],
         v[None],
         mesh=backend.mesh,
         kv_axis=backend.kv_axis,
-        kv_length=kv_length,
+        kv_length=None if per_shard else kv_length,
         causal=causal,
-        q_offset=q_offset,
+        q_offset=None if per_shard else q_offset,
         backend=backend.kernel,
         reduction=backend.reduction,
         kv_layout=kv_layout,
         kv_positions=positions,
+        shard_lengths=None if shard_lengths is None else shard_lengths[None],
     )
     return out[0]
+
+
+def _tree_devices(backend: AttentionBackend) -> int:
+    """The devices the `"tree"` backend splits a cache over (its shards)."""
+    assert backend.mesh is not None and backend.kv_axis is not None
+    axes = (backend.kv_axis,) if isinstance(backend.kv_axis, str) else backend.kv_axis
+    return math.prod(backend.mesh.shape.get(a, 0) for a in axes)
 
 
 class MultiheadAttention(eqx.Module):
@@ -366,7 +379,18 @@ class MultiheadAttention(eqx.Module):
             new_cache = cache.append(k, v)
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
-            positions = None if cache.devices == 1 else jnp.asarray(cache.positions(), jnp.int32)
+            positions = fills = None
+            if (
+                cache.devices > 1
+                and be.name == "tree"
+                and _tree_devices(be) == cache.devices
+                and (q_seq == 1 or not self.causal)
+            ):
+                # Every query sees every filled key (a decode step): each shard needs only its
+                # fill count, which the fused GPU kernels take (they refuse key positions).
+                fills = new_cache.shard_lengths()
+            elif cache.devices > 1:
+                positions = jnp.asarray(cache.positions(), jnp.int32)
             attn = attend(
                 q,
                 new_cache.k,
@@ -378,6 +402,7 @@ class MultiheadAttention(eqx.Module):
                 mask=mask,
                 kv_positions=positions,
                 backend=be,
+                shard_lengths=fills,
             )
         out = jax.vmap(self.output_proj)(attn.reshape(q_seq, -1).astype(query.dtype))
         return out if new_cache is None else (out, new_cache)

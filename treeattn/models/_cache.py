@@ -43,7 +43,9 @@ class KVCache(eqx.Module):
     (one per device along the mesh axis) and tokens are appended round-robin in blocks of
     `block` tokens: token t goes to shard `(t // block) % p`, so the shards fill evenly and every
     device has the same amount of attention to do at any length. `positions()` gives the token
-    position held by each slot (what `tree_decode(kv_positions=...)` needs).
+    position held by each slot (what `tree_decode(kv_positions=...)` needs for a causal chunk
+    of queries); `shard_lengths()` gives how many slots of each shard are filled (all a decode
+    step needs: the fused GPU kernels take it, and refuse positions).
 
     **Overflow.** Writing past `max_len` never wraps around. `prefill`, `decode_step`,
     `generate` and an eager model call check on the host, before running, and raise a
@@ -76,15 +78,21 @@ class KVCache(eqx.Module):
         kv_axis: str | tuple[str, ...] | None = None,
         block: int = 16,
         layout: Layout = "bhsd",
+        batch: int | None = None,
     ) -> KVCache:
         """An empty cache: one layer's, or with `layers=n` a model's (`n` buffers, one
         length). `layout` is `"bhsd"` (head-major) or `"bshd"`. With `mesh` and `kv_axis`, the
         slots are sharded over that axis and `max_len` is rounded up to a multiple of
-        `devices * block`."""
+        `devices * block`. With `batch=b`, every buffer and the length get a leading axis of
+        `b` rows (one cache per row, for a model vmapped over a batch, as in `generate`). The
+        buffers are allocated where they live, shard by shard."""
         if layout not in LAYOUTS:
             raise ValueError(f"KVCache.create: layout must be one of {LAYOUTS}, got {layout!r}")
         if layers is not None and layers < 1:
             raise ValueError(f"KVCache.create: layers must be at least 1, got {layers}")
+        if batch is not None and batch < 1:
+            raise ValueError(f"KVCache.create: batch must be at least 1, got {batch}")
+        rows = () if batch is None else (batch,)
         vo = qk if vo is None else vo
         devices = 1
         if mesh is not None and kv_axis is not None:
@@ -94,23 +102,23 @@ class KVCache(eqx.Module):
         else:
             block = max_len
 
-        def shape(d):
-            return (kv_heads, max_len, d) if layout == "bhsd" else (max_len, kv_heads, d)
-
         def buffer(d):
-            x = jnp.zeros(shape(d), dtype)
-            if devices > 1:
-                assert mesh is not None and kv_axis is not None
-                spec = P(None, kv_axis, None) if layout == "bhsd" else P(kv_axis, None, None)
-                x = jax.device_put(x, NamedSharding(mesh, spec))
-            return x
+            shape = (kv_heads, max_len, d) if layout == "bhsd" else (max_len, kv_heads, d)
+            shape = rows + shape
+            if devices == 1:
+                return jnp.zeros(shape, dtype)
+            assert mesh is not None and kv_axis is not None
+            spec = P(None, kv_axis, None) if layout == "bhsd" else P(kv_axis, None, None)
+            sharding = NamedSharding(mesh, P(*(None,) * len(rows), *spec))
+            # Each device allocates its own shard: no full buffer on one device first.
+            return jnp.zeros(shape, dtype, device=sharding)
 
         if layers is None:
             k, v = buffer(qk), buffer(vo)
         else:
             k = tuple(buffer(qk) for _ in range(layers))
             v = tuple(buffer(vo) for _ in range(layers))
-        length = jnp.zeros((), jnp.int32)
+        length = jnp.zeros(rows, jnp.int32)
         _remember(length, 0)
         return cls(k=k, v=v, length=length, devices=devices, block=block, layout=layout)
 
@@ -166,6 +174,19 @@ class KVCache(eqx.Module):
         p, b, shard = self.devices, self.block, self.max_len // self.devices
         d, j = s // shard, s % shard
         return ((j // b) * p + d) * b + j % b
+
+    def shard_lengths(self) -> Int[Array, "*batch devices"]:
+        """The filled slots of each shard, `[devices]` (`[*batch, devices]` for a batched
+        cache): what `tree_decode(shard_lengths=...)` takes where every query sees every
+        filled key. Within a shard the slots are in position order and fill from its front, so
+        the filled slots of shard d are its first `shard_lengths()[..., d]`. Tokens past
+        `max_len` are not written (see "Overflow"): they are not counted."""
+        p, b = self.devices, self.block
+        n = jnp.clip(self.length, 0, self.max_len)[..., None]
+        shard = jnp.arange(p, dtype=jnp.int32)
+        # Full rounds of p blocks, then what the last round gave shard d.
+        rounds, rest = n // (b * p), n % (b * p)
+        return (rounds * b + jnp.clip(rest - shard * b, 0, b)).astype(jnp.int32)
 
     def append(self, k: Float[Array, "n kv_heads qk"], v: Float[Array, "n kv_heads vo"]) -> KVCache:
         """Write `n` new tokens after the `length` already cached (one layer's cache; a
@@ -267,3 +288,24 @@ def remember(cache: KVCache, length: int | None) -> None:
     """Record the length `reserve` promised for the cache a call returned."""
     if length is not None:
         _remember(cache.length, length)
+
+
+def empty_rows(template: KVCache, batch: int, *, mesh=None, kv_axis=None) -> KVCache:
+    """An empty cache like `template` (a cache, or its `jax.eval_shape`) with a leading axis
+    of `batch` rows, allocated in place: nothing of `template` is read or copied."""
+    first = template.k[0] if isinstance(template.k, tuple) else template.k
+    second = template.v[0] if isinstance(template.v, tuple) else template.v
+    heads = first.shape[-3 if template.layout == "bhsd" else -2]
+    return KVCache.create(
+        heads,
+        template.max_len,
+        first.shape[-1],
+        second.shape[-1],
+        layers=template.layers,
+        dtype=first.dtype,
+        mesh=mesh if template.devices > 1 else None,
+        kv_axis=kv_axis if template.devices > 1 else None,
+        block=template.block,
+        layout=template.layout,
+        batch=batch,
+    )
