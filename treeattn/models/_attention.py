@@ -238,19 +238,31 @@ def _attend_energy(
     if kv_length is not None:
         filled = jnp.broadcast_to(jnp.arange(kv_seq) < kv_length, (q.shape[0], kv_seq))
         mask = filled if mask is None else jnp.logical_and(mask, filled)
-    kw = dict(causal=causal, mask=mask, q_offset=q_offset, energy=attention_energy)
+    e = attention_energy
     if backend.name == "tree":
         assert backend.mesh is not None and backend.kv_axis is not None
         mesh, axis, reduction = backend.mesh, backend.kv_axis, backend.reduction
 
         def total(zeta):
             return energy.tree_free_energy(
-                q, k, v, zeta, mesh=mesh, kv_axis=axis, reduction=reduction, **kw
+                q,
+                k,
+                v,
+                zeta,
+                mesh=mesh,
+                kv_axis=axis,
+                causal=causal,
+                mask=mask,
+                q_offset=q_offset,
+                reduction=reduction,
+                energy=e,
             )
     else:
 
         def total(zeta):
-            return energy.multihead_free_energy(q, k, v, zeta, **kw)
+            return energy.multihead_free_energy(
+                q, k, v, zeta, causal=causal, mask=mask, q_offset=q_offset, energy=e
+            )
 
     # Attention as the gradient of F at ζ = 0, taken here rather than by `energy_attention`,
     # whose ζ·v-free form does not yet batch (vmap) through a gradient in v for a general energy.
