@@ -319,7 +319,8 @@ class Transformer(eqx.Module):
 
     @property
     def energy(self) -> Energy | None:
-        """The attention energy of the layers (None: `Softmax()`)."""
+        """The attention energy of the first layer (None: `Softmax()`); each layer has its own
+        parameters (stacked: `model.layers.self_attn.energy`)."""
         return self.block(0).self_attn.energy
 
 
