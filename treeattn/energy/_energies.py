@@ -255,6 +255,14 @@ def check_energy(fn: str, energy) -> None:
         )
 
 
+def check_block_size(fn: str, block_size) -> None:
+    """`block_size` is None or a positive Python int."""
+    if block_size is None:
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{fn}: block_size must be a positive int or None, got {block_size!r}")
+
+
 def combine_once(energy: Energy, state, ctx: Context):
     """The merged state with the energy's once-only term (a sink) folded in first."""
     once = energy.once(ctx)

@@ -34,7 +34,7 @@ from .._numerics import (
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, dims_of
-from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
+from ._energies import SOFTMAX, Energy, check_block_size, check_energy, is_plain_softmax
 
 
 Tilt = Callable[[Array, Array], Array]
@@ -264,6 +264,7 @@ def multihead_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     energy: Energy = SOFTMAX,
+    block_size: int | None = None,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of eqs. (18-19), with grouped key/value heads.
 
@@ -282,6 +283,9 @@ def multihead_free_energy(
       Combined with `causal` by "and".
     - `scale`: default $1/\sqrt{qk}$. `q_offset`: position of query 0 (int or traced scalar).
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
+    - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
+      gradient (a custom VJP). By default an energy other than `Softmax()` does so by itself
+      above 2^24 logits; `Softmax()` runs its dedicated path unless `block_size` is given.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
@@ -298,18 +302,23 @@ def multihead_free_energy(
         scale=scale,
         q_offset=q_offset,
         energy=energy,
+        block_size=block_size,
     )
 
 
-def _multihead(fn, q, k, v, zeta, *, causal, mask, scale, q_offset, energy) -> Array:
+def _multihead(
+    fn, q, k, v, zeta, *, causal, mask, scale, q_offset, energy, block_size=None
+) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     check_energy(fn, energy)
-    if not is_plain_softmax(energy):
+    check_block_size(fn, block_size)
+    if block_size is not None or not is_plain_softmax(energy):
         from ._generic import total_energy
 
         q_pos = as_position(q_offset)
-        return total_energy(energy, q, k, v, zeta, mask, q_pos, causal=causal, scale=scale)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size}
+        return total_energy(energy, q, k, v, zeta, mask, q_pos, **kw)
     return _total_energy(q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale)
 
 
@@ -337,6 +346,7 @@ def energy_attention(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     energy: Energy = SOFTMAX,
+    block_size: int | None = None,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
 
@@ -365,11 +375,13 @@ def energy_attention(
     check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
     check_q_offset("energy_attention", q_offset)
     check_energy("energy_attention", energy)
-    if not is_plain_softmax(energy):
+    check_block_size("energy_attention", block_size)
+    if block_size is not None or not is_plain_softmax(energy):
         from ._generic import attention
 
         q_pos = as_position(q_offset)
-        return attention(energy, q, k, v, mask, q_pos, causal=causal, scale=scale)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size}
+        return attention(energy, q, k, v, mask, q_pos, **kw)
     return _energy_attention(q, k, v, mask, as_position(q_offset), causal=causal, scale=scale)
 
 
