@@ -480,3 +480,22 @@ def test_blockwise_memory(case):
     whole, blocked = temp(None), temp(128)
     print(f"temporaries: materialised {whole / 2**20:.1f} MiB, blockwise {blocked / 2**20:.1f} MiB")
     assert blocked < whole / 4
+
+
+@pytest.mark.parametrize("kv_layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("case", ["sigmoid_bias", "stick", "sink"])
+def test_tree_decode(case, kv_layout, getkey):
+    """tree_decode(energy=...) over a sharded cache of rows filled to different lengths."""
+    from treeattn.decode import tree_decode
+
+    q, k, v = make_qkv(getkey, (2, 32, HEADS, 2, 8, 3), jnp.float32)
+    q = jnp.stack([q[:1], q[1:2]])  # [batch 2, q_seq 1, heads, qk]
+    k, v = jnp.stack([k, k[::-1]]), jnp.stack([v, v[::-1]])  # [batch 2, 32, kv_heads, d]
+    lengths = [20, 32]
+    energy = make_energy(case)
+    layout = (lambda x: x.transpose(0, 2, 1, 3)) if kv_layout == "bhsd" else (lambda x: x)
+    kw = {"mesh": mesh_of(4), "kv_axis": "kv", "kv_layout": kv_layout, "energy": energy}
+    out = tree_decode(q, layout(k), layout(v), kv_length=jnp.asarray(lengths), **kw)
+    for b, n in enumerate(lengths):
+        expected = reference(*ENERGIES[case], q[b], k[b, :n], v[b, :n], causal=True, q_offset=n - 1)
+        assert ref.rel_err(out[b], expected[0]) <= TOL[jnp.float32]

@@ -16,6 +16,8 @@ from jaxtyping import Array, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
+from ..energy import Energy
+from ._energies import energy_tree_decode
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -35,6 +37,7 @@ def tree_decode(
     causal: bool = False,
     q_offset: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
     kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
+    energy: Energy | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -60,12 +63,17 @@ def tree_decode(
       devices so that the shards fill evenly; sharded along with K and V (cpu, xla and
       reference kernels).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
+    - `energy`: an [`Energy`][treeattn.energy.Energy] other than softmax (default None:
+      softmax through the kernels). It is served by
+      [`tree_energy_attention`][treeattn.energy.tree_energy_attention] row by row, with the
+      energy's monoid as the merge (`backend` and `kv_positions` do not apply).
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
     caches in multiples of it.
 
     **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
     """
+    args = (q, k, v)
     plan, q, k, v, offsets, lengths, positions = plan_decode(
         "tree_decode",
         q,
@@ -82,6 +90,10 @@ def tree_decode(
         kv_positions=kv_positions,
         scale=scale,
     )
+    if energy is not None:
+        kw = {"kv_length": kv_length, "scale": scale, "reduction": reduction, "causal": causal}
+        kw |= {"kv_layout": kv_layout, "q_offset": q_offset, "kv_positions": kv_positions}
+        return energy_tree_decode("tree_decode", energy, *args, mesh=mesh, kv_axis=kv_axis, **kw)
     s = default_scale(plan.dims.qk, scale)
     return _tree(plan, q, k, v, offsets, lengths, positions, scale=s, reduction=reduction)
 

@@ -173,8 +173,9 @@ class Sigmoid(Energy):
 
     $$F(\zeta) = \sum_a \mathrm{softplus}(x_a + b + \zeta\cdot v_a),$$
 
-    with bias $b$ (default $-\log n$, $n$ the number of keys of the whole sequence). Monoid: a
-    sum — no running max, one all-reduce across devices. Its gradient at 0 is $\sum_a
+    with bias $b$ (default $-\log n$, $n$ the number of key slots of the whole sequence — with
+    a partly filled cache that counts every slot, so pass `bias` explicitly when decoding).
+    Monoid: a sum — no running max, one all-reduce across devices. Its gradient at 0 is $\sum_a
     \sigma(x_a + b)\, v_a$ and its Hessian $\sum_a \sigma(1-\sigma)\, v_a v_a^\top$.
     """
 
