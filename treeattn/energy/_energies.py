@@ -173,8 +173,9 @@ class Sigmoid(Energy):
 
     $$F(\zeta) = \sum_a \mathrm{softplus}(x_a + b + \zeta\cdot v_a),$$
 
-    with bias $b$ (default $-\log n$, $n$ the number of keys of the whole sequence). Monoid: a
-    sum — no running max, one all-reduce across devices. Its gradient at 0 is $\sum_a
+    with bias $b$ (default $-\log n$, $n$ the number of key slots of the whole sequence — with
+    a partly filled cache that counts every slot, so pass `bias` explicitly when decoding).
+    Monoid: a sum — no running max, one all-reduce across devices. Its gradient at 0 is $\sum_a
     \sigma(x_a + b)\, v_a$ and its Hessian $\sum_a \sigma(1-\sigma)\, v_a v_a^\top$.
     """
 
@@ -253,6 +254,14 @@ def check_energy(fn: str, energy) -> None:
             f"{fn}: energy must be a treeattn.energy.Energy (e.g. Softmax()), got "
             f"{type(energy).__name__}"
         )
+
+
+def check_block_size(fn: str, block_size) -> None:
+    """`block_size` is None or a positive Python int."""
+    if block_size is None:
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{fn}: block_size must be a positive int or None, got {block_size!r}")
 
 
 def combine_once(energy: Energy, state, ctx: Context):

@@ -35,7 +35,7 @@ from .._numerics import (
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, dims_of
-from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
+from ._energies import SOFTMAX, Energy, check_block_size, check_energy, is_plain_softmax
 
 
 Tilt = Callable[[Array, Array], Array]
@@ -269,6 +269,7 @@ def multihead_free_energy(
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
+    block_size: int | None = None,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of eqs. (18-19), with grouped key/value heads.
 
@@ -290,6 +291,9 @@ def multihead_free_energy(
       right)` lets query position $i$ see keys $j$ with $i - \mathrm{left} \le j \le i +
       \mathrm{right}$; an int `w` is `(w, w)`. Combined with `causal` and `mask` by "and".
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
+    - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
+      gradient (a custom VJP). By default an energy other than `Softmax()` does so by itself
+      above 2^24 logits; `Softmax()` runs its dedicated path unless `block_size` is given.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
@@ -307,22 +311,37 @@ def multihead_free_energy(
         q_offset=q_offset,
         local_window_size=local_window_size,
         energy=energy,
+        block_size=block_size,
     )
 
 
 def _multihead(
-    fn, q, k, v, zeta, *, causal, mask, scale, q_offset, local_window_size=None, energy=SOFTMAX
+    fn,
+    q,
+    k,
+    v,
+    zeta,
+    *,
+    causal,
+    mask,
+    scale,
+    q_offset,
+    local_window_size=None,
+    energy=SOFTMAX,
+    block_size=None,
 ) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     window = check_window(fn, local_window_size)
     check_energy(fn, energy)
-    if not is_plain_softmax(energy):
+    check_block_size(fn, block_size)
+    if block_size is not None or not is_plain_softmax(energy):
         from ._generic import total_energy
 
         q_pos = as_position(q_offset)
         mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
-        return total_energy(energy, q, k, v, zeta, mask, q_pos, causal=causal, scale=scale)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size}
+        return total_energy(energy, q, k, v, zeta, mask, q_pos, **kw)
     return _total_energy(
         q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale, window=window
     )
@@ -363,6 +382,7 @@ def energy_attention(
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
+    block_size: int | None = None,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
 
@@ -392,12 +412,14 @@ def energy_attention(
     check_q_offset("energy_attention", q_offset)
     window = check_window("energy_attention", local_window_size)
     check_energy("energy_attention", energy)
-    if not is_plain_softmax(energy):
+    check_block_size("energy_attention", block_size)
+    if block_size is not None or not is_plain_softmax(energy):
         from ._generic import attention
 
         q_pos = as_position(q_offset)
         mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
-        return attention(energy, q, k, v, mask, q_pos, causal=causal, scale=scale)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size}
+        return attention(energy, q, k, v, mask, q_pos, **kw)
     return _energy_attention(
         q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
     )

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array
 
 from .._numerics import (
     Dims,
@@ -74,25 +75,33 @@ def readout(energy: Energy, state, ctx: Context):
     return lse_from_rows(energy.readout(combine_once(energy, state, ctx), ctx), ctx.dims)
 
 
-def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero):
+def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None) -> Array:
     dims = dims_of(q, k, v)
+    from ._blockwise import blockwise, choose_block
+
+    block = choose_block(dims, block_size)
+    if block is not None:
+        kw = {"block": block, "causal": causal, "scale": scale, "at_zero": at_zero}
+        return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, **kw)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
     return readout(energy, local_state(energy, q, k, v, zeta, vis, ctx, at_zero), ctx)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale):
-    return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, False))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
+def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None):
+    terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
+    return jnp.sum(terms)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def attention(energy, q, k, v, mask, q_offset, *, causal, scale):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
+def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None):
     dims = dims_of(q, k, v)
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
     def total(zeta):
-        return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True))
+        terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, block_size)
+        return jnp.sum(terms)
 
     with jax.named_scope("energy_attention"):
         return jax.grad(total)(zeta).astype(q.dtype)
@@ -103,7 +112,8 @@ def cumulant(energy, q, k, v, mask, q_offset, *, order, causal, scale):
     dims = dims_of(q, k, v)
 
     def total(zeta):
-        return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True))
+        # Forward mode (the higher derivatives) needs the materialised form: block_size=0.
+        return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0))
 
     def mean_field(u):
         return jax.grad(total)(jnp.broadcast_to(u, (dims.q_seq, dims.heads, dims.dv)))
