@@ -110,7 +110,9 @@ def memory(seq: int, heads: int, dim: int, block_size: int | None, energy) -> fl
         return jnp.sum(out**2)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    analysis = compiled.memory_analysis()
+    assert analysis is not None, "this backend gives no memory analysis"
+    return analysis.temp_size_in_bytes
 
 
 def decode_rows(args) -> list[dict]:
@@ -145,7 +147,7 @@ def decode_rows(args) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
