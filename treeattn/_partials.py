@@ -14,6 +14,7 @@ attention `out[batch, q_seq, heads, dv]` and `lse[batch, q_seq, heads]`, the con
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, get_args
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
+
+from ._numerics import masked_logsumexp
 
 
 Reduction = Literal["allreduce", "butterfly", "hierarchical"]
@@ -244,3 +247,165 @@ def sum_across(x: Any, *, axis_name: AxisName, reduction: Reduction) -> Any:
         slow, fast = _axes(axis_name)
         return lax.psum(lax.psum(x, fast), slow)
     return _butterfly(x, lambda a, b: jax.tree.map(jnp.add, a, b), axis_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Monoids: how the per-key contributions of an energy reduce
+# ---------------------------------------------------------------------------------------------
+
+
+def _safe_logaddexp(a: Array, b: Array) -> Array:
+    """log(e^a + e^b) with -inf as its identity, never NaN (the lse half of `merge_partials`)."""
+    return merge_partials(None, a, None, b)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Monoid:
+    r"""How an energy's per-key contributions reduce to the free energy $F$.
+
+    A *state* is a pytree whose leaves have the shape of the reduced axes (one entry per query
+    row). The fields:
+
+    - `lift(elements, visible)`: a block of keys (the last axis of every leaf of `elements`, in
+      key order) to its state; a key that is not visible contributes the identity.
+    - `combine(a, b)`: the state of block `a` followed by block `b` (associative; when
+      `commutative` is False the order is the key order).
+    - `identity(shape, dtype)`: the state of an empty block, by a stated rule (0 for a sum,
+      $-\infty$ for a log-sum-exp), never NaN.
+    - `across(state, axis_name, reduction, rank)`: inside `shard_map`, the state of the union of
+      every device's block — the collective schedule of the monoid — and a residual for
+      `pullback`. `rank` is the position of the device's block in the sequence (its first key),
+      which an ordered monoid folds by.
+    - `pullback(local, merged, residual, ct)`: the cotangent of a device's own state, given the
+      cotangent `ct` of the merged one. It needs no communication (paper, Algorithm 2): for a
+      log-sum-exp it is $e^{\mathrm{lse}_d - \mathrm{lse}}\,\bar c$, for a sum $\bar c$.
+    - `readout(state)`: the scalar $F$ of every row (an energy may change it).
+    """
+
+    name: str
+    lift: Callable[[Any, Any], Any]
+    combine: Callable[[Any, Any], Any]
+    identity: Callable[[tuple[int, ...], Any], Any]
+    commutative: bool
+    across: Callable[[Any, AxisName, Reduction, Array], tuple[Any, Any]]
+    pullback: Callable[[Any, Any, Any, Any], Any]
+    readout: Callable[[Any], Array]
+    reductions: int = 1
+    """Collectives of the forward across devices with the `"allreduce"` schedule."""
+
+
+def _lse_pullback(local, merged, residual, ct):
+    del residual
+    finite = jnp.isfinite(merged)
+    w = jnp.exp(local - jnp.where(finite, merged, 0.0))
+    return jnp.where(finite, w, 0.0) * ct
+
+
+LOGSUMEXP = Monoid(
+    name="logsumexp",
+    lift=masked_logsumexp,
+    combine=_safe_logaddexp,
+    identity=lambda shape, dtype: jnp.full(shape, -jnp.inf, dtype),
+    commutative=True,
+    across=lambda s, axis_name, reduction, rank: (
+        merge_across(None, s, axis_name=axis_name, reduction=reduction)[1],
+        None,
+    ),
+    pullback=_lse_pullback,
+    readout=lambda s: s,
+    reductions=2,
+)
+r"""$\log\sum_a e^{x_a}$: the monoid of softmax (today's `merge_partials`, without outputs).
+Identity $-\infty$; across devices a max, then a sum (`"allreduce"`), or the butterfly."""
+
+
+def _sum_lift(x: Array, visible: Array | None) -> Array:
+    if visible is not None:
+        x = jnp.where(visible, x, jnp.zeros((), x.dtype))
+    return jnp.sum(x, axis=-1)
+
+
+SUM = Monoid(
+    name="sum",
+    lift=_sum_lift,
+    combine=jnp.add,
+    identity=lambda shape, dtype: jnp.zeros(shape, dtype),
+    commutative=True,
+    across=lambda s, axis_name, reduction, rank: (
+        sum_across(s, axis_name=axis_name, reduction=reduction),
+        None,
+    ),
+    pullback=lambda local, merged, residual, ct: ct,
+    readout=lambda s: s,
+)
+r"""$\sum_a x_a$: identity 0, one all-reduce (or the butterfly) across devices, no running max."""
+
+
+def _affine_lift(elements, visible):
+    log_w, log_r = elements
+    if visible is not None:
+        log_w = jnp.where(visible, log_w, -jnp.inf)
+        log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
+    # Each key's weight is damped by every later key of the block: the exclusive suffix sum.
+    later = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True) - log_r
+    return masked_logsumexp(log_w + later, None), jnp.sum(log_r, axis=-1)
+
+
+def _affine_combine(a, b):
+    """Block `a`, then block `b`: (Z, R) = (Z_a R_b + Z_b, R_a R_b) in logarithms."""
+    (log_z_a, log_r_a), (log_z_b, log_r_b) = a, b
+    return _safe_logaddexp(log_z_a + log_r_b, log_z_b), log_r_a + log_r_b
+
+
+def _fold_by_rank(gathered, rank):
+    """Fold the states of every device (leading axis) in the order of `rank`."""
+    order = jnp.argsort(rank, stable=True)
+    states = jax.tree.map(lambda x: jnp.take(x, order, axis=0), gathered)
+    out = jax.tree.map(lambda x: x[0], states)
+    for i in range(1, rank.shape[0]):
+        out = _affine_combine(out, jax.tree.map(lambda x, i=i: x[i], states))
+    return out
+
+
+def _affine_across(state, axis_name, reduction, rank):
+    del reduction  # an ordered fold: one all-gather of the states and the ranks, packed
+    log_z, log_r = state
+    width = jnp.dtype(log_z.dtype).itemsize
+    int_type = {4: jnp.int32, 8: jnp.int64}[width]
+    # The rank travels as the bits of one more float (moved, never computed with).
+    rank_bits = lax.bitcast_convert_type(jnp.asarray(rank).astype(int_type), log_z.dtype)
+    packed = jnp.concatenate([log_z.ravel(), log_r.ravel(), rank_bits[None]])
+    gathered = lax.all_gather(packed, axis_name)
+    n = log_z.size
+    states = (
+        gathered[:, :n].reshape(-1, *log_z.shape),
+        gathered[:, n : 2 * n].reshape(-1, *log_z.shape),
+    )
+    ranks = lax.bitcast_convert_type(lax.stop_gradient(gathered[:, 2 * n]), int_type)
+    me = lax.axis_index(axis_name)
+    return _fold_by_rank(states, ranks), (states, ranks, me)
+
+
+def _affine_pullback(local, merged, residual, ct):
+    states, ranks, me = residual
+    _, vjp = jax.vjp(lambda s: _fold_by_rank(s, ranks), states)
+    (ct_states,) = vjp(ct)
+    return jax.tree.map(lambda x: jnp.take(x, me, axis=0), ct_states)
+
+
+LOG_AFFINE = Monoid(
+    name="log_affine",
+    lift=_affine_lift,
+    combine=_affine_combine,
+    identity=lambda shape, dtype: (jnp.full(shape, -jnp.inf, dtype), jnp.zeros(shape, dtype)),
+    commutative=False,
+    across=_affine_across,
+    pullback=_affine_pullback,
+    readout=lambda s: _safe_logaddexp(*s),
+)
+r"""Ordered products: a block is the affine map $y \mapsto R\,y + Z$ with $Z = \sum_a w_a
+\prod_{b > a} r_b$ and $R = \prod_a r_b$, kept as $(\log Z, \log R)$ from per-key elements
+$(\log w_a, \log r_a)$. Composition is associative but not commutative (stick-breaking). Across
+devices the states and block positions are gathered once and folded locally in position order,
+so a permuted placement of the blocks is folded by rank, not by device index. Identity
+$(-\infty, 0)$; the default readout is $\log(Z + R)$."""

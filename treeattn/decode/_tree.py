@@ -16,6 +16,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
+from ..energy import Energy
+from ._energies import energy_tree_decode
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -39,6 +41,7 @@ def tree_decode(
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
+    energy: Energy | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -79,12 +82,23 @@ def tree_decode(
       Excludes `kv_length`, `q_offset` and `kv_positions`; `kv_seq` must divide by p. Values
       must lie in `[0, kv_seq / p]` (checked when concrete; traced ones are clipped).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
+    - `energy`: an [`Energy`][treeattn.energy.Energy] other than softmax (default None:
+      softmax through the kernels). It is served by
+      [`tree_energy_attention`][treeattn.energy.tree_energy_attention] row by row, with the
+      energy's monoid as the merge (`backend` and `kv_positions` do not apply).
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
     caches in multiples of it.
 
     **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
     """
+    args = (q, k, v)
+    if energy is not None:
+        extra = {"local_window_size": local_window_size, "mask": mask, "bias": bias}
+        extra["shard_lengths"] = shard_lengths
+        given = [name for name, value in extra.items() if value is not None]
+        if given:
+            raise ValueError(f"tree_decode: {', '.join(given)} cannot be combined with energy=")
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
         "tree_decode",
         q,
@@ -105,6 +119,10 @@ def tree_decode(
         bias=bias,
         shard_lengths=shard_lengths,
     )
+    if energy is not None:
+        kw = {"kv_length": kv_length, "scale": scale, "reduction": reduction, "causal": causal}
+        kw |= {"kv_layout": kv_layout, "q_offset": q_offset, "kv_positions": kv_positions}
+        return energy_tree_decode("tree_decode", energy, *args, mesh=mesh, kv_axis=kv_axis, **kw)
     s = default_scale(plan.dims.qk, scale)
     return _tree(
         plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s, reduction=reduction

@@ -1,10 +1,24 @@
 """The free energy of attention: attention as its gradient, cumulants, the likelihood view."""
 
 from .._partials import (
+    LOG_AFFINE as LOG_AFFINE,
+    LOGSUMEXP as LOGSUMEXP,
+    SUM as SUM,
+    Monoid as Monoid,
     Reduction as Reduction,
     allreduce_partials as allreduce_partials,
     allreduce_sum as allreduce_sum,
     merge_partials as merge_partials,
+)
+from ._energies import (
+    Context as Context,
+    Energy as Energy,
+    LinearKernel as LinearKernel,
+    Sigmoid as Sigmoid,
+    Softmax as Softmax,
+    SoftmaxWithSink as SoftmaxWithSink,
+    StickBreaking as StickBreaking,
+    elu_plus_one as elu_plus_one,
 )
 from ._free_energy import (
     attention_reference as attention_reference,

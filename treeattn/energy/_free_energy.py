@@ -35,6 +35,7 @@ from .._numerics import (
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, dims_of
+from ._energies import SOFTMAX, Energy, check_block_size, check_energy, is_plain_softmax
 
 
 Tilt = Callable[[Array, Array], Array]
@@ -151,6 +152,7 @@ def free_energy(
     *,
     mask: Bool[Array, " kv"] | None = None,
     scale: float | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The free energy of one query (eq. 15).
 
@@ -166,6 +168,7 @@ def free_energy(
     - `zeta`: the source $\zeta$, `[dv]`.
     - `mask`: optional boolean `[kv]`, True where the key is visible.
     - `scale`: $s$, default $1/\sqrt{qk}$.
+    - `energy`: the [`Energy`][treeattn.energy.Energy], default `Softmax()` (the formula above).
 
     **Returns:** the scalar $F$ in float32 (float64 for float64 inputs). With no visible key the
     partition function is empty and $F = -\infty$; its derivatives are 0.
@@ -197,6 +200,7 @@ def free_energy(
         mask=None if mask is None else jnp.asarray(mask)[None],
         scale=scale,
         q_offset=0,
+        energy=energy,
     )
     return f
 
@@ -210,6 +214,7 @@ def causal_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The causal free energy $F_\mathrm{tot}$ of eq. (16), one source per query.
 
@@ -223,7 +228,8 @@ def causal_free_energy(
 
     **Arguments:** `q[q_seq, qk]`, `k[kv_seq, qk]`, `v[kv_seq, dv]`, `zeta[q_seq, dv]`, `scale`
     (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array), `local_window_size`
-    (a sliding window, see `multihead_free_energy`; `(w, 0)` keeps the last `w + 1` tokens).
+    (a sliding window, see `multihead_free_energy`; `(w, 0)` keeps the last `w + 1` tokens),
+    `energy` (default `Softmax()`).
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs).
     """
@@ -247,6 +253,7 @@ def causal_free_energy(
         scale=scale,
         q_offset=q_offset,
         local_window_size=local_window_size,
+        energy=energy,
     )
 
 
@@ -261,6 +268,8 @@ def multihead_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
+    block_size: int | None = None,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of eqs. (18-19), with grouped key/value heads.
 
@@ -281,6 +290,10 @@ def multihead_free_energy(
     - `local_window_size`: a sliding window by absolute position (jax's meaning): `(left,
       right)` lets query position $i$ see keys $j$ with $i - \mathrm{left} \le j \le i +
       \mathrm{right}$; an int `w` is `(w, w)`. Combined with `causal` and `mask` by "and".
+    - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
+    - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
+      gradient (a custom VJP). By default an energy other than `Softmax()` does so by itself
+      above 2^24 logits; `Softmax()` runs its dedicated path unless `block_size` is given.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
@@ -297,18 +310,51 @@ def multihead_free_energy(
         scale=scale,
         q_offset=q_offset,
         local_window_size=local_window_size,
+        energy=energy,
+        block_size=block_size,
     )
 
 
 def _multihead(
-    fn, q, k, v, zeta, *, causal, mask, scale, q_offset, local_window_size=None
+    fn,
+    q,
+    k,
+    v,
+    zeta,
+    *,
+    causal,
+    mask,
+    scale,
+    q_offset,
+    local_window_size=None,
+    energy=SOFTMAX,
+    block_size=None,
 ) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     window = check_window(fn, local_window_size)
+    check_energy(fn, energy)
+    check_block_size(fn, block_size)
+    if block_size is not None or not is_plain_softmax(energy):
+        from ._generic import total_energy
+
+        q_pos = as_position(q_offset)
+        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size}
+        return total_energy(energy, q, k, v, zeta, mask, q_pos, **kw)
     return _total_energy(
         q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale, window=window
     )
+
+
+def _with_window(mask, window, q_seq, kv_seq, q_offset):
+    """`mask` and the sliding `window` by absolute position (query `q_offset + i`, key `a`)."""
+    if window is None:
+        return mask
+    i = q_offset + jnp.arange(q_seq)[:, None]
+    a = jnp.arange(kv_seq)[None, :]
+    inside = (a >= i - window[0]) & (a <= i + window[1])
+    return inside if mask is None else jnp.logical_and(mask, inside)
 
 
 # The public functions validate their arguments, then call a jitted core: called eagerly they
@@ -335,6 +381,8 @@ def energy_attention(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
+    block_size: int | None = None,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
 
@@ -348,7 +396,8 @@ def energy_attention(
     q, k and v (a second derivative of $F$), so models train through it.
 
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
-    `zeta`.
+    `zeta`. With another `energy`, the output is that energy's $\partial F/\partial\zeta$ at 0
+    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]).
 
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs (arithmetic in float32 or
     wider). A query with no visible key gets 0.
@@ -362,6 +411,15 @@ def energy_attention(
     check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
     check_q_offset("energy_attention", q_offset)
     window = check_window("energy_attention", local_window_size)
+    check_energy("energy_attention", energy)
+    check_block_size("energy_attention", block_size)
+    if block_size is not None or not is_plain_softmax(energy):
+        from ._generic import attention
+
+        q_pos = as_position(q_offset)
+        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size}
+        return attention(energy, q, k, v, mask, q_pos, **kw)
     return _energy_attention(
         q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
     )

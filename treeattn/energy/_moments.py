@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import as_position, compute_dtype, default_scale, visibility
 from ._checks import check_multihead, check_q_offset, dims_of
+from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
 from ._free_energy import _tilt_at_zero, energy_terms
 
 
@@ -29,6 +30,7 @@ def value_moments(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads *dv"]:
     r"""The `order`-th cumulant tensor of the values, for every query and head.
 
@@ -41,6 +43,8 @@ def value_moments(
     is meant for small `dv`.
 
     **Arguments:** as [`energy_attention`][treeattn.energy.energy_attention], plus `order >= 1`.
+    With another `energy`, the derivatives of that energy's $F$ (see its docstring for what
+    they mean).
 
     **Returns:** `[q_seq, heads, dv, ..., dv]` (`order` trailing `dv` axes) in the dtype of the
     inputs: `order=1` is attention, `order=2` the covariance, `order=3` the third central moment.
@@ -48,12 +52,18 @@ def value_moments(
     """
     if not isinstance(order, int) or isinstance(order, bool) or order < 1:
         raise ValueError(f"value_moments: order must be an integer >= 1, got {order!r}")
-    return _cumulant("value_moments", q, k, v, order, causal, mask, scale, q_offset)
+    return _cumulant("value_moments", q, k, v, order, causal, mask, scale, q_offset, energy)
 
 
-def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset) -> Array:
+def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset, energy) -> Array:
     check_multihead(fn, q, k, v, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
+    check_energy(fn, energy)
+    if not is_plain_softmax(energy):
+        from ._generic import cumulant
+
+        q_pos = as_position(q_offset)
+        return cumulant(energy, q, k, v, mask, q_pos, order=order, causal=causal, scale=scale)
     return _cumulant_jit(
         q, k, v, mask, as_position(q_offset), order=order, causal=causal, scale=scale
     )
@@ -90,6 +100,7 @@ def value_covariance(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv dv"]:
     r"""The covariance of the values under each query's attention distribution.
 
@@ -100,9 +111,11 @@ def value_covariance(
     how spread out the values a head averages are: 0 when attention picks one key (or all the
     keys it sees carry the same value), large when it mixes distant values.
 
-    **Arguments:** as [`energy_attention`][treeattn.energy.energy_attention].
+    **Arguments:** as [`energy_attention`][treeattn.energy.energy_attention]. With another
+    `energy`, its Hessian in $\zeta$ (for [`Sigmoid`][treeattn.energy.Sigmoid]
+    $\sum_a \sigma(1-\sigma)\,v_a v_a^\top$).
 
     **Returns:** `[q_seq, heads, dv, dv]`, symmetric positive semi-definite, in the dtype of the
     inputs; 0 for a query with no visible key.
     """
-    return _cumulant("value_covariance", q, k, v, 2, causal, mask, scale, q_offset)
+    return _cumulant("value_covariance", q, k, v, 2, causal, mask, scale, q_offset, energy)

@@ -22,6 +22,7 @@ from .._numerics import Dims, Window, check_window, compute_dtype, default_scale
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
+from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
 from ._sharded import _float0_like, _like, _local_grads, _local_terms
 
 
@@ -171,6 +172,7 @@ def tree_free_energy(
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
 
@@ -180,7 +182,7 @@ def tree_free_energy(
     all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
     differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
     for every schedule. `local_window_size` is a sliding window by absolute position, as in
-    `multihead_free_energy`.
+    `multihead_free_energy`. Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
 
     ```python
     mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -203,7 +205,33 @@ def tree_free_energy(
         zeta_at_zero=False,
         local_window_size=local_window_size,
     )
+    check_energy("tree_free_energy", energy)
+    if not is_plain_softmax(energy):
+        from ._generic import mesh_total
+
+        return mesh_total(_generic_plan(plan, k, args, "tree_free_energy", energy), energy, args)
     return _energy(plan, args)
+
+
+def _generic_plan(plan: _OnMesh, k, args: dict, fn: str, energy):
+    from ._generic import on_mesh_plan
+
+    if plan.window is not None:
+        raise ValueError(
+            f"{fn}: local_window_size={plan.window} is not supported with "
+            f"energy={type(energy).__name__}(...) on a mesh; use sharded_* with a mask"
+        )
+
+    return on_mesh_plan(
+        plan.sharding,
+        plan.local,
+        k.shape[0],
+        plan.scale,
+        plan.causal,
+        plan.reduction,
+        plan.zeta_at_zero,
+        "mask" in args,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -224,6 +252,7 @@ def tree_energy_attention(
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of
     [`tree_free_energy`][treeattn.energy.tree_free_energy] in $\zeta$ at $\zeta = 0$.
@@ -251,7 +280,13 @@ def tree_energy_attention(
         zeta_at_zero=True,
         local_window_size=local_window_size,
     )
+    check_energy("tree_energy_attention", energy)
+    if not is_plain_softmax(energy):
+        from ._generic import mesh_attention
 
+        return mesh_attention(
+            _generic_plan(plan, k, args, "tree_energy_attention", energy), energy, args
+        ).astype(q.dtype)
     return _attention(plan, args).astype(q.dtype)
 
 

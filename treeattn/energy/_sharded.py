@@ -21,6 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
     Dims,
+    as_position,
     check_window,
     compute_dtype,
     default_scale,
@@ -38,6 +39,7 @@ from .._partials import (
     sum_across,
 )
 from ._checks import check_multihead, check_q_offset
+from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
 from ._free_energy import _tilt, bad_logits, finite_kv, scaled_logits
 
 
@@ -173,7 +175,7 @@ def _prepare(
     vis = visibility(
         dims, causal=causal, mask=mask, q_offset=q_offset, kv_offset=kv_offset, window=window
     )
-    return dims, vis
+    return dims, vis, kv_offset
 
 
 def sharded_free_energy(
@@ -190,6 +192,7 @@ def sharded_free_energy(
     kv_offset: int | Int[Array, ""] | None = None,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of keys and values sharded along `axis_name` (Algorithm 1).
 
@@ -212,12 +215,16 @@ def sharded_free_energy(
     its own keys), plus `axis_name` (a mesh axis name or tuple of names), `kv_offset`, and
     `reduction` in `{"allreduce", "butterfly", "hierarchical"}` (`"butterfly"` needs
     `check_vma=False` on the enclosing `shard_map`; `"hierarchical"` needs
-    `axis_name=(slow, fast)`).
+    `axis_name=(slow, fast)`), and `energy` (default `Softmax()`): any
+    [`Energy`][treeattn.energy.Energy] reduces with its monoid's schedule — a sum is one
+    all-reduce, an ordered monoid one all-gather folded by `kv_offset` (which, like
+    `"butterfly"`, needs `check_vma=False`) — and its gradient costs one reduction more.
 
     **Returns:** the scalar $F_\mathrm{tot}$ (float32, or float64), replicated.
     """
     fn = "sharded_free_energy"
-    dims, vis = _prepare(
+    check_energy(fn, energy)
+    dims, vis, kv_offset = _prepare(
         fn,
         q,
         k,
@@ -233,6 +240,11 @@ def sharded_free_energy(
         local_window_size=local_window_size,
     )
     s = default_scale(dims.qk, scale)
+    if not is_plain_softmax(energy):
+        from ._generic import sharded_total
+
+        args = (q, k, v, zeta, vis, as_position(q_offset), as_position(kv_offset))
+        return sharded_total(energy, *args, dims, s, axis_name, reduction)
     return jnp.sum(_sharded_terms(q, k, v, zeta, vis, dims, s, axis_name, reduction, False))
 
 
@@ -249,6 +261,7 @@ def sharded_energy_attention(
     kv_offset: int | Int[Array, ""] | None = None,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over sharded keys as `jax.grad` of the sharded free energy at $\zeta = 0$.
 
@@ -262,7 +275,8 @@ def sharded_energy_attention(
     **Returns:** `[q_seq, heads, dv]` in the input dtype, replicated.
     """
     fn = "sharded_energy_attention"
-    dims, vis = _prepare(
+    check_energy(fn, energy)
+    dims, vis, kv_offset = _prepare(
         fn,
         q,
         k,
@@ -278,6 +292,11 @@ def sharded_energy_attention(
         local_window_size=local_window_size,
     )
     s = default_scale(dims.qk, scale)
+    if not is_plain_softmax(energy):
+        from ._generic import sharded_attention
+
+        args = (q, k, v, vis, as_position(q_offset), as_position(kv_offset))
+        return sharded_attention(energy, *args, dims, s, axis_name, reduction)
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
     def total(zeta):

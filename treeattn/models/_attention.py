@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .. import decode, energy
 from .._numerics import Dims, Layout, Window, check_window, visibility
 from .._partials import Reduction
+from ..energy import Energy, Softmax
 from ._cache import KVCache
 from ._layers import RMSNorm, RotaryEmbedding
 
@@ -110,6 +111,7 @@ def attend(
     backend: AttentionBackend,
     shard_lengths: Int[Array, " devices"] | None = None,
     local_window_size: Window | None = None,
+    attention_energy: Energy | None = None,
 ) -> Float[Array, "q_seq heads vo"]:
     r"""Attention of `q` over keys/values `[kv, kv_heads, d]` (`kv_layout="bshd"`, without the
     batch axis) or head-major `[kv_heads, kv, d]` (`"bhsd"`) on `backend`. Key slot `a` holds
@@ -118,7 +120,25 @@ def attend(
     `i` sits at `q_offset + i`), within `local_window_size = (left, right)` of it
     ($i - \mathrm{left} \le j \le i + \mathrm{right}$), and where `mask` allows. For
     `"tree"`, `shard_lengths` (the filled slots of each shard of a round-robin cache) replaces
-    `kv_length`, `q_offset` and positions where every query sees every filled key."""
+    `kv_length`, `q_offset` and positions where every query sees every filled key.
+    `attention_energy` (None: `Softmax()`, the fused paths) any other
+    [`Energy`][treeattn.energy.Energy]: see `_attend_energy`."""
+    if not is_default_energy(attention_energy):
+        assert attention_energy is not None and shard_lengths is None
+        return _attend_energy(
+            q,
+            k,
+            v,
+            kv_layout=kv_layout,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            causal=causal,
+            mask=mask,
+            kv_positions=kv_positions,
+            backend=backend,
+            attention_energy=attention_energy,
+            local_window_size=local_window_size,
+        )
     name = backend.name
     if name in ("energy", "reference"):
         if kv_layout == "bhsd":  # a transposed copy of the cache: these are the checking paths;
@@ -183,6 +203,89 @@ def attend(
     return out[0]
 
 
+def is_default_energy(e: Energy | None) -> bool:
+    """None or `Softmax()` with every default (Python numbers, not arrays): the fused paths."""
+    return e is None or (
+        type(e) is Softmax
+        and isinstance(e.beta, int | float)
+        and e.beta == 1
+        and e.softcap is None
+        and e.alibi_slopes is None
+    )
+
+
+def _attend_energy(
+    q,
+    k,
+    v,
+    *,
+    kv_layout,
+    kv_length,
+    q_offset,
+    causal,
+    mask,
+    kv_positions,
+    backend,
+    attention_energy,
+    local_window_size=None,
+):
+    """Attention of any energy through `treeattn.energy`: the gradient in ζ at 0 of
+    `multihead_free_energy(energy=...)` for `"energy"`, `"reference"` and `"flash"` (there is
+    no fused kernel of a general energy), and of `tree_free_energy(energy=...)` over
+    `backend.mesh` for `"tree"`. The keys are first put
+    in position order (a round-robin cache holds them permuted; an ordered monoid such as
+    stick-breaking and position-dependent logits such as ALiBi need slot = position), and the
+    unfilled slots masked."""
+    if kv_layout == "bhsd":
+        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+    if kv_positions is not None:  # a permutation of the slots: put slot a at position a
+        order = jnp.argsort(kv_positions)
+        k, v = k[order], v[order]
+    kv_seq = k.shape[0]
+    if kv_length is not None:
+        filled = jnp.broadcast_to(jnp.arange(kv_seq) < kv_length, (q.shape[0], kv_seq))
+        mask = filled if mask is None else jnp.logical_and(mask, filled)
+    e = attention_energy
+    if backend.name == "tree":
+        assert backend.mesh is not None and backend.kv_axis is not None
+        mesh, axis, reduction = backend.mesh, backend.kv_axis, backend.reduction
+
+        def total(zeta):
+            return energy.tree_free_energy(
+                q,
+                k,
+                v,
+                zeta,
+                mesh=mesh,
+                kv_axis=axis,
+                causal=causal,
+                mask=mask,
+                q_offset=q_offset,
+                reduction=reduction,
+                energy=e,
+                local_window_size=local_window_size,
+            )
+    else:
+
+        def total(zeta):
+            return energy.multihead_free_energy(
+                q,
+                k,
+                v,
+                zeta,
+                causal=causal,
+                mask=mask,
+                q_offset=q_offset,
+                energy=e,
+                local_window_size=local_window_size,
+            )
+
+    # Attention as the gradient of F at ζ = 0, taken here rather than by `energy_attention`,
+    # whose ζ·v-free form does not yet batch (vmap) through a gradient in v for a general energy.
+    zeta = jnp.zeros((q.shape[0], q.shape[1], v.shape[-1]), jnp.promote_types(q.dtype, jnp.float32))
+    return jax.grad(total)(zeta).astype(q.dtype)
+
+
 def _tree_devices(backend: AttentionBackend) -> int:
     """The devices the `"tree"` backend splits a cache over (its shards)."""
     assert backend.mesh is not None and backend.kv_axis is not None
@@ -220,6 +323,11 @@ class MultiheadAttention(eqx.Module):
     - `backend`: `"energy"` (default; attention as `jax.grad` of the free energy),
       `"reference"`, `"flash"`, `"tree"`, or an
       [`AttentionBackend`][treeattn.models.AttentionBackend]; overridable per call.
+    - `energy`: the [`Energy`][treeattn.energy.Energy] whose gradient is the attention; None
+      (default) is `Softmax()`, on every backend's own path. Any other energy is a field of the
+      layer (its array parameters — β, a sink logit, a bias — train with the weights) and runs
+      through `treeattn.energy`: `energy_attention(energy=...)` on `"energy"`, `"reference"` and
+      `"flash"`, `tree_energy_attention(energy=...)` on `"tree"`.
 
     Dtypes follow Equinox: each projection runs in the promotion of its weights' and its
     input's dtypes (float32 weights and bfloat16 inputs: heads, attention and the output
@@ -244,6 +352,7 @@ class MultiheadAttention(eqx.Module):
     rotary: RotaryEmbedding | None
     query_norm: RMSNorm | None
     key_norm: RMSNorm | None
+    energy: Energy | None
 
     num_heads: int = eqx.field(static=True)
     query_size: int = eqx.field(static=True)
@@ -286,8 +395,14 @@ class MultiheadAttention(eqx.Module):
         backend: str | AttentionBackend = "energy",
         mesh: Mesh | None = None,
         kv_axis: str | tuple[str, ...] | None = None,
+        energy: Energy | None = None,
         key: PRNGKeyArray,
     ):
+        if energy is not None and not isinstance(energy, Energy):
+            raise ValueError(
+                "MultiheadAttention: energy must be a treeattn.energy.Energy (e.g. Sigmoid()) "
+                f"or None, got {type(energy).__name__}"
+            )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(
@@ -325,6 +440,7 @@ class MultiheadAttention(eqx.Module):
                 RMSNorm(qk_size, qk_norm_eps, dtype=dtype),
             )
         )
+        self.energy = energy
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.query_size, self.key_size, self.value_size = query_size, key_size, value_size
         self.output_size, self.qk_size, self.vo_size = output_size, qk_size, vo_size
@@ -403,6 +519,12 @@ class MultiheadAttention(eqx.Module):
         dropout_on = not (self.dropout.inference if inference is None else inference) and not (
             isinstance(p, int | float) and p == 0
         )
+        default = is_default_energy(self.energy)
+        if dropout_on and not default:
+            raise ValueError(
+                f"MultiheadAttention: attention dropout forms softmax weights; it cannot be "
+                f"combined with energy={type(self.energy).__name__}(...) (set dropout_p=0)"
+            )
         if cache is None:
             if dropout_on:
                 attn = self._attend_with_dropout(q, k, v, mask, q_offset, key, inference)
@@ -421,6 +543,7 @@ class MultiheadAttention(eqx.Module):
                     kv_positions=None,
                     backend=be,
                     local_window_size=self.local_window_size,
+                    attention_energy=self.energy,
                 )
             new_cache = None
         else:
@@ -441,6 +564,7 @@ class MultiheadAttention(eqx.Module):
                 and _tree_devices(be) == cache.devices
                 and (q_seq == 1 or not self.causal)
                 and self.local_window_size is None
+                and default
             ):
                 # Every query sees every filled key (a decode step): each shard needs only its
                 # fill count, which the fused GPU kernels take (they refuse key positions).
@@ -460,6 +584,7 @@ class MultiheadAttention(eqx.Module):
                 backend=be,
                 shard_lengths=fills,
                 local_window_size=self.local_window_size,
+                attention_energy=self.energy,
             )
         # In the heads' dtype (a cache may hold another), then projected as Equinox does.
         out = linear(self.output_proj, attn.reshape(q_seq, -1).astype(heads_dtype))

@@ -12,7 +12,14 @@ from jax.core import Tracer
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._numerics import Layout
-from ._attention import AttentionBackend, MultiheadAttention, as_backend, cache_layout
+from ..energy import Energy
+from ._attention import (
+    AttentionBackend,
+    MultiheadAttention,
+    as_backend,
+    cache_layout,
+    is_default_energy,
+)
 from ._cache import KVCache, remember, reserve
 from ._config import LlamaConfig
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -27,7 +34,13 @@ class DecoderBlock(eqx.Module):
     mlp: SwiGLU
 
     def __init__(
-        self, config: LlamaConfig, *, backend: AttentionBackend, dtype=None, key: PRNGKeyArray
+        self,
+        config: LlamaConfig,
+        *,
+        backend: AttentionBackend,
+        dtype=None,
+        energy: Energy | None = None,
+        key: PRNGKeyArray,
     ):
         k1, k2 = jax.random.split(key)
         c = config
@@ -51,6 +64,7 @@ class DecoderBlock(eqx.Module):
             rotary=rotary,
             qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
             backend=backend,
+            energy=energy,
             key=k1,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
@@ -100,6 +114,7 @@ class Transformer(eqx.Module):
         *,
         backend: str | AttentionBackend = "energy",
         dtype=None,
+        energy: Energy | None = None,
         key: PRNGKeyArray,
     ):
         k_embed, k_layers, k_head = jax.random.split(key, 3)
@@ -111,7 +126,7 @@ class Transformer(eqx.Module):
 
         @eqx.filter_vmap
         def make(k):
-            return DecoderBlock(config, backend=be, dtype=dtype, key=k)
+            return DecoderBlock(config, backend=be, dtype=dtype, energy=energy, key=k)
 
         self.layers = make(jax.random.split(k_layers, config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -294,10 +309,27 @@ class Transformer(eqx.Module):
         checkpoint in `path` (`model.safetensors.index.json` and its shards) is removed, so
         that loaders find the new weights. Other files (a tokenizer, an optimiser state) are
         left alone.
+
+        A model with another attention energy than `Softmax()` (`Transformer(energy=...)`) has
+        no Hugging Face `config.json` and raises a `ValueError`: save it with
+        `equinox.tree_serialise_leaves`.
         """
         from ._hf import save_pretrained
 
+        e = self.energy
+        if not is_default_energy(e):
+            raise ValueError(
+                f"save_pretrained: the attention energy {type(e).__name__}(...) has no Hugging "
+                "Face config.json equivalent (a Llama config is softmax attention); save the "
+                "model with equinox.tree_serialise_leaves instead"
+            )
         save_pretrained(self.stack_layers(), path)
+
+    @property
+    def energy(self) -> Energy | None:
+        """The attention energy of the first layer (None: `Softmax()`); each layer has its own
+        parameters (stacked: `model.layers.self_attn.energy`)."""
+        return self.block(0).self_attn.energy
 
 
 def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:

@@ -1,0 +1,501 @@
+"""Energies as values: every shipped energy (and one written here) against float64 NumPy, on
+one device and sharded over 1-8, with its gradients and its communication."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import pytest
+from conftest import devices
+from jax.sharding import Mesh, PartitionSpec as P
+from jax.test_util import check_grads
+from test_energy import TOL, make_masking, make_qkv, np_kw
+
+from treeattn.energy import (
+    SUM,
+    Energy,
+    LinearKernel,
+    Sigmoid,
+    Softmax,
+    SoftmaxWithSink,
+    StickBreaking,
+    energy_attention,
+    multihead_free_energy,
+    sharded_energy_attention,
+    sharded_free_energy,
+    tree_energy_attention,
+    tree_free_energy,
+    value_covariance,
+)
+from treeattn.profiling import collective_stats
+
+
+# ---------------------------------------------------------------------------------------------
+# A user-defined energy: a sum monoid, nothing else written
+# ---------------------------------------------------------------------------------------------
+
+
+class ReLU2(Energy):
+    """F = sum_a relu(x_a + zeta.v_a)^2 / 2: attention sum_a relu(x_a) v_a."""
+
+    monoid = SUM
+
+    def elements(self, x, tilt, ctx):
+        return 0.5 * jax.nn.relu(x + tilt) ** 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent float64 references: per (head, query) row, the distribution the energy puts on
+# the values, as (weights of the visible keys, mass left on "no value" or None for sums).
+# ---------------------------------------------------------------------------------------------
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _phi(x):  # elu + 1
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _row_weights(name, params, x, h, i_pos, pos, qf, kf, n_total):
+    """Weights of the visible keys of one row (key positions `pos`, logits `x`), and whether
+    they are normalised (a distribution: its Hessian is a covariance)."""
+    if name in ("softmax", "sink"):
+        beta = params.get("beta", 1.0)
+        if params.get("softcap") is not None:
+            c = params["softcap"]
+            x = c * np.tanh(x / c)
+        if params.get("alibi") is not None:
+            x = x - params["alibi"][h] * np.abs(i_pos - pos)
+        y = beta * x
+        m = y.max() if y.size else 0.0
+        e = np.exp(y - m)
+        z = e.sum()
+        if name == "sink":
+            sink = np.broadcast_to(params["sink"], (params["heads"],))[h]
+            z = z + np.exp(beta * sink - m)
+        return (e / z if y.size else e), beta
+    if name == "sigmoid":
+        b = -np.log(n_total) if params.get("bias") is None else params["bias"]
+        s = _sigmoid(x + b)
+        return s, s * (1 - s)
+    if name == "linear":
+        w = _phi(kf) @ _phi(qf)
+        return (w / w.sum() if w.size else w), 1.0
+    if name == "stick":
+        beta = _sigmoid(x)
+        order = np.argsort(pos)
+        a = np.zeros_like(beta)
+        remaining = 1.0
+        for j in order[::-1]:  # the latest key breaks its share off first
+            a[j] = beta[j] * remaining
+            remaining *= 1 - beta[j]
+        return a, 1.0
+    if name == "relu2":
+        return np.maximum(x, 0.0), (x > 0).astype(float)
+    raise ValueError(name)
+
+
+def reference(name, params, q, k, v, *, causal=False, mask=None, q_offset=0):
+    """Attention [q_seq, heads, dv] and the Hessian of F_i,h in zeta [q_seq, heads, dv, dv]."""
+    x = ref.logits(q, k)
+    qf, kf = ref.f64(q), ref.f64(k)
+    heads, q_seq, kv_seq = x.shape
+    group = heads // kf.shape[1]
+    vh = ref.values_for_heads(v, heads)
+    vis = ref.visible(q_seq, kv_seq, heads, causal=causal, mask=mask, q_offset=q_offset)
+    dv = vh.shape[-1]
+    out = np.zeros((q_seq, heads, dv))
+    hess = np.zeros((q_seq, heads, dv, dv))
+    params = {**params, "heads": heads}
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            pos = np.arange(kv_seq)[row]
+            w, curv = _row_weights(
+                name,
+                params,
+                x[h, i, row],
+                h,
+                q_offset + i,
+                pos,
+                qf[i, h],
+                kf[row, h // group],
+                kv_seq,
+            )
+            vals = vh[h, row]
+            out[i, h] = w @ vals
+            if name in ("sigmoid", "relu2"):  # a sum: Hessian sum_a F''_a v v^T
+                hess[i, h] = np.einsum("a,ai,aj->ij", curv, vals, vals)
+            else:  # a distribution (sinks and the rest of the stick carry the value 0)
+                second = np.einsum("a,ai,aj->ij", w, vals, vals)
+                hess[i, h] = curv * (second - np.outer(out[i, h], out[i, h]))
+    return out, hess
+
+
+HEADS = 4
+ENERGIES = {
+    "softmax_beta": ("softmax", {"beta": 1.7}),
+    "softmax_softcap_alibi": (
+        "softmax",
+        {"softcap": 1.5, "alibi": np.array([0.5, 0.25, 0.125, 0.0625])},
+    ),
+    "sink": ("sink", {"sink": np.array([0.3, -1.0, 2.0, 0.0]), "beta": 1.0}),
+    "softmax1": ("sink", {"sink": 0.0}),
+    "sigmoid": ("sigmoid", {}),
+    "sigmoid_bias": ("sigmoid", {"bias": 0.4}),
+    "linear": ("linear", {}),
+    "stick": ("stick", {}),
+    "relu2": ("relu2", {}),
+}
+
+
+def make_energy(case):
+    name, p = ENERGIES[case]
+    if name == "softmax":
+        alibi = None if p.get("alibi") is None else jnp.asarray(p["alibi"], jnp.float32)
+        return Softmax(beta=p.get("beta", 1.0), softcap=p.get("softcap"), alibi_slopes=alibi)
+    if name == "sink":
+        return SoftmaxWithSink(sink=jnp.asarray(p["sink"], jnp.float32))
+    if name == "sigmoid":
+        return Sigmoid(bias=p.get("bias"))
+    return {"linear": LinearKernel, "stick": StickBreaking, "relu2": ReLU2}[name]()
+
+
+SHAPES = [(5, 13, HEADS, 2, 8, 3), (4, 6, HEADS, 4, 4, 2)]  # GQA, MHA
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "causal"))
+def _call(fn, energy, q, k, v, mask, q_offset, causal):
+    return fn(q, k, v, causal=causal, mask=mask, q_offset=q_offset, energy=energy)
+
+
+def call(fn, energy, q, k, v, **kw):
+    args = (kw.get("mask"), kw.get("q_offset", 0), kw.get("causal", False))
+    return _call(fn, energy, q, k, v, *args)
+
+
+@pytest.mark.parametrize(
+    "shape, masking", [(SHAPES[0], "causal_mask3d"), (SHAPES[1], "causal_cache")], ids=str
+)
+@pytest.mark.parametrize("case", ENERGIES)
+def test_attention_and_hessian_match_numpy(case, shape, masking, getkey):
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    kw = make_masking(getkey, shape, masking)
+    energy = make_energy(case)
+    expected, hessian = reference(*ENERGIES[case], q, k, v, **np_kw(kw))
+    out = call(energy_attention, energy, q, k, v, **kw)
+    assert out.dtype == jnp.float32
+    assert ref.rel_err(out, expected) <= TOL[jnp.float32]
+    cov = call(value_covariance, energy, q, k, v, **kw)
+    assert ref.rel_err(cov, hessian) <= 5 * TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("case", ENERGIES)
+def test_bfloat16(case, getkey):
+    shape = SHAPES[0]
+    q, k, v = make_qkv(getkey, shape, jnp.bfloat16)
+    kw = {"causal": True, "q_offset": shape[1] - shape[0]}
+    out = call(energy_attention, make_energy(case), q, k, v, **kw)
+    assert out.dtype == jnp.bfloat16
+    assert ref.rel_err(out, reference(*ENERGIES[case], q, k, v, **kw)[0]) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("case", ENERGIES)
+def test_free_energy_gradient_is_attention_and_rows_without_keys(case, getkey):
+    """dF/dzeta at 0 is attention; a row that sees no key gives 0 and finite gradients."""
+    shape = SHAPES[0]
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    mask = jax.random.bernoulli(getkey(), 0.6, (shape[2], shape[0], shape[1]))
+    mask = mask.at[1, 2].set(False).at[:, 0].set(False)  # empty rows
+    energy = make_energy(case)
+    zeta = jnp.zeros((shape[0], shape[2], shape[5]))
+    g = jax.grad(multihead_free_energy, argnums=3)(q, k, v, zeta, mask=mask, energy=energy)
+    out = energy_attention(q, k, v, mask=mask, energy=energy)
+    np.testing.assert_allclose(g, out, rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(out)[0] == 0) and np.all(np.asarray(out)[2, 1] == 0)
+
+    def loss(q, k, v):
+        return jnp.sum(energy_attention(q, k, v, mask=mask, energy=energy) ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert all(np.isfinite(np.asarray(x)).all() for x in grads)
+
+
+def test_default_is_todays_softmax(getkey):
+    q, k, v = make_qkv(getkey, SHAPES[0], jnp.float32)
+    a = energy_attention(q, k, v, causal=True)
+    b = energy_attention(q, k, v, causal=True, energy=Softmax())
+    c = energy_attention(q, k, v, causal=True, energy=Softmax(beta=jnp.float32(1.0)))
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)  # the general path, same result
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient checks, orders 1 and 2, in q, k, v and in the energy's parameters
+# ---------------------------------------------------------------------------------------------
+
+
+PARAMETERS = {
+    "beta": lambda p: Softmax(beta=p),
+    "softcap": lambda p: Softmax(softcap=p),
+    "alibi": lambda p: Softmax(alibi_slopes=jnp.stack([p, 0.5 * p])),
+    "sink": lambda p: SoftmaxWithSink(sink=jnp.stack([p, -p])),
+    "bias": lambda p: Sigmoid(bias=p),
+}
+
+
+@pytest.mark.parametrize("case", ["softmax_softcap_alibi", "sink", "sigmoid", "linear", "stick"])
+def test_check_grads_qkv(case, getkey):
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(getkey, (2, 5, HEADS, 2, 3, 2), jnp.float64)
+        energy = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), make_energy(case))
+
+        def f(q, k, v):
+            return energy_attention(q, k, v, causal=True, q_offset=3, energy=energy)
+
+        check_grads(f, (q, k, v), order=2, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", PARAMETERS)
+def test_check_grads_parameters(name, getkey):
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(getkey, (2, 5, 2, 1, 3, 2), jnp.float64)
+
+        def f(p):
+            energy = PARAMETERS[name](p)
+            return energy_attention(q, k, v, causal=True, q_offset=3, energy=energy)
+
+        check_grads(f, (jnp.float64(0.7),), order=2, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded and on a mesh: the same numbers, the monoid's collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def mesh_of(p):
+    return Mesh(np.array(devices(p)), ("kv",))
+
+
+TREE_CASES = ["softmax_beta", "sink", "sigmoid", "linear", "stick", "relu2"]
+
+
+SCHEDULES = [(1, "allreduce"), (2, "butterfly"), (4, "hierarchical"), (8, "allreduce")]
+
+
+@pytest.mark.parametrize("p, reduction", SCHEDULES)
+@pytest.mark.parametrize("case", TREE_CASES)
+def test_tree_matches_unsharded(case, p, reduction, getkey):
+    shape = (3, 21, HEADS, 2, 8, 3)  # 21 keys: padded on 2, 4 and 8 devices
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    zeta = 0.3 * jax.random.normal(getkey(), (shape[0], HEADS, shape[5]))
+    energy = make_energy(case)
+    kw = {"causal": True, "q_offset": 18}
+    if reduction == "hierarchical":
+        mesh = Mesh(np.array(devices(p)).reshape(2, p // 2), ("node", "local"))
+        tree = {"mesh": mesh, "kv_axis": ("node", "local")}
+    else:
+        tree = {"mesh": mesh_of(p), "kv_axis": "kv"}
+    tree |= {"reduction": reduction, "energy": energy}
+
+    @jax.jit
+    def sharded(q, k, v, zeta):
+        f, grads = jax.value_and_grad(
+            lambda *a: tree_free_energy(*a, **tree, **kw), argnums=(0, 1, 2, 3)
+        )(q, k, v, zeta)
+        return f, grads, tree_energy_attention(q, k, v, **tree, **kw)
+
+    @jax.jit
+    def single(q, k, v, zeta):
+        f, grads = jax.value_and_grad(
+            lambda *a: multihead_free_energy(*a, energy=energy, **kw), argnums=(0, 1, 2, 3)
+        )(q, k, v, zeta)
+        return f, grads, energy_attention(q, k, v, energy=energy, **kw)
+
+    f, grads, out = jax.block_until_ready(sharded(q, k, v, zeta))
+    f0, grads0, out0 = single(q, k, v, zeta)
+    np.testing.assert_allclose(f, f0, rtol=2e-5, atol=1e-5)
+    for g, g0 in zip(grads, grads0, strict=True):
+        assert ref.rel_err(g, g0) <= 2e-5
+    assert ref.rel_err(out, reference(*ENERGIES[case], q, k, v, **kw)[0]) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("case", ["sink", "sigmoid_bias", "softmax_softcap_alibi"])
+def test_tree_gradient_in_parameters(case, getkey):
+    shape = (3, 16, HEADS, 2, 8, 3)
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    kw = {"causal": True, "q_offset": 13}
+
+    def loss(energy, attend):
+        return jnp.sum(attend(q, k, v, energy=energy, **kw) ** 2)
+
+    tree = functools.partial(tree_energy_attention, mesh=mesh_of(4), kv_axis="kv")
+    energy = make_energy(case)
+    g = jax.jit(jax.grad(loss), static_argnums=1)(energy, tree)
+    g0 = jax.jit(jax.grad(loss), static_argnums=1)(energy, energy_attention)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
+        assert ref.rel_err(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["softmax_beta", "sigmoid", "stick"])
+def test_permuted_shard_order(case, getkey):
+    """Device d holds block order[d] of the sequence (its position is its kv_offset): every
+    monoid, the ordered one included, gives the result of the sequence in order."""
+    p, n = 4, 5
+    order = [2, 0, 3, 1]
+    q, k, v = make_qkv(getkey, (3, p * n, HEADS, 2, 8, 3), jnp.float32)
+    zeta = 0.3 * jax.random.normal(getkey(), (3, HEADS, 3))
+    blocks = np.concatenate([np.arange(b * n, (b + 1) * n) for b in order])
+    offsets = jnp.asarray([b * n for b in order], jnp.int32)
+    energy = make_energy(case)
+    kw = {"causal": True, "q_offset": p * n - 3}
+
+    def local(q, k, v, zeta, offset):
+        args = {"axis_name": "kv", "kv_offset": offset[0], "energy": energy, **kw}
+        return sharded_free_energy(q, k, v, zeta, **args), sharded_energy_attention(q, k, v, **args)
+
+    specs = (P(), P("kv"), P("kv"), P(), P("kv"))
+    # An ordered fold's result is replicated by construction; the checker cannot see it.
+    check = energy.monoid.commutative
+    mapped = jax.shard_map(
+        local, mesh=mesh_of(p), in_specs=specs, out_specs=(P(), P()), check_vma=check
+    )
+    mapped = jax.jit(mapped)
+    f, out = mapped(q, k[blocks], v[blocks], zeta, offsets)
+    np.testing.assert_allclose(f, multihead_free_energy(q, k, v, zeta, energy=energy, **kw), 2e-5)
+    assert ref.rel_err(out, reference(*ENERGIES[case], q, k, v, **kw)[0]) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize(
+    "case, forward, both, attention",
+    [("softmax_beta", 2, 3, 3), ("sigmoid", 1, 1, 1), ("stick", 1, 2, 2)],
+)
+def test_collectives(case, forward, both, attention):
+    """Forward: the monoid's reductions; with its gradient one more, the same for every sequence
+    length. A sum's pullback does not read the merged state, so the gradient's all-reduce does
+    not wait for the forward's and XLA packs the two into one (sigmoid: one in all)."""
+    energy = make_energy(case)
+    mesh = mesh_of(4)
+    tree = {"mesh": mesh, "kv_axis": "kv", "energy": energy}
+    sent = set()
+    for kv_seq in (64, 512):
+        q, z = jnp.zeros((2, HEADS, 16)), jnp.zeros((2, HEADS, 16))
+        k = v = jnp.zeros((kv_seq, 2, 16))
+
+        def stats(fn, *args):
+            return collective_stats(jax.jit(fn).lower(*args).compile())
+
+        fwd = stats(lambda q, k, v, z: tree_free_energy(q, k, v, z, **tree), q, k, v, z)
+        assert fwd.count() == forward
+        grad = stats(
+            jax.value_and_grad(lambda q, k, v, z: tree_free_energy(q, k, v, z, **tree), (0, 3)),
+            q,
+            k,
+            v,
+            z,
+        )
+        assert grad.count() == both
+        att = stats(lambda q, k, v: tree_energy_attention(q, k, v, **tree), q, k, v)
+        assert att.count() == attention
+        sent.add((fwd.bytes_sent(), grad.bytes_sent(), att.bytes_sent()))
+    assert len(sent) == 1
+
+
+def test_user_energy_everywhere(getkey):
+    """The energy written above gets attention, covariance and the tree form with no other code."""
+    shape = SHAPES[0]
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    kw = {"causal": True, "q_offset": shape[1] - shape[0]}
+    out, hess = reference("relu2", {}, q, k, v, **kw)
+    assert ref.rel_err(energy_attention(q, k, v, energy=ReLU2(), **kw), out) <= 2e-5
+    assert ref.rel_err(value_covariance(q, k, v, energy=ReLU2(), **kw), hess) <= 1e-4
+    tree = tree_energy_attention(q, k, v, mesh=mesh_of(4), kv_axis="kv", energy=ReLU2(), **kw)
+    assert ref.rel_err(tree, out) <= 2e-5
+
+
+def test_errors(getkey):
+    q, k, v = make_qkv(getkey, SHAPES[0], jnp.float32)
+    with pytest.raises(ValueError, match="energy must be a treeattn.energy.Energy"):
+        energy_attention(q, k, v, energy="softmax")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise: O(N d) memory, the same numbers and gradients
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["softmax_softcap_alibi", "sink", "sigmoid", "linear", "stick"])
+def test_blockwise_matches_materialised(case, getkey):
+    shape = (9, 37, HEADS, 2, 8, 3)  # 37 keys in blocks of 8: the last block is padded
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    zeta = 0.3 * jax.random.normal(getkey(), (shape[0], HEADS, shape[5]))
+    mask = jax.random.bernoulli(getkey(), 0.7, (HEADS, shape[0], shape[1]))
+    kw = {"causal": True, "q_offset": 28, "mask": mask, "energy": make_energy(case)}
+
+    @functools.partial(jax.jit, static_argnames="block_size")
+    def run(q, k, v, zeta, block_size):
+        f, g = jax.value_and_grad(
+            lambda *a: multihead_free_energy(*a, block_size=block_size, **kw), (0, 1, 2, 3)
+        )(q, k, v, zeta)
+        out, pull = jax.vjp(lambda *a: energy_attention(*a, block_size=block_size, **kw), q, k, v)
+        return f, g, out, pull(out)
+
+    blocked, whole = run(q, k, v, zeta, 8), run(q, k, v, zeta, None)
+    for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole), strict=True):
+        assert ref.rel_err(a, b) <= 2e-5
+    expected = reference(*ENERGIES[case], q, k, v, causal=True, q_offset=28, mask=np.asarray(mask))
+    assert ref.rel_err(blocked[2], expected[0]) <= TOL[jnp.float32]
+
+
+def test_blockwise_check_grads(getkey):
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(getkey, (2, 7, 2, 1, 3, 2), jnp.float64)
+
+        def f(q, k, v):
+            kw = {"causal": True, "q_offset": 5, "block_size": 3}
+            return energy_attention(q, k, v, energy=StickBreaking(), **kw)
+
+        check_grads(f, (q, k, v), order=2, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["sigmoid", "stick"])
+def test_blockwise_memory(case):
+    """Training through attention (a loss on it, its gradient in q, k, v): the compiled
+    temporaries of the blockwise form are a fraction of the materialised form's."""
+    n, heads, dim = 1024, 4, 32
+    x = jax.ShapeDtypeStruct((n, heads, dim), jnp.float32)
+
+    def temp(block_size):
+        def loss(q, k, v):
+            kw = {"causal": True, "energy": make_energy(case), "block_size": block_size}
+            return jnp.sum(energy_attention(q, k, v, **kw) ** 2)
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    whole, blocked = temp(None), temp(128)
+    print(f"temporaries: materialised {whole / 2**20:.1f} MiB, blockwise {blocked / 2**20:.1f} MiB")
+    assert blocked < whole / 4
+
+
+@pytest.mark.parametrize("kv_layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("case", ["sigmoid_bias", "stick", "sink"])
+def test_tree_decode(case, kv_layout, getkey):
+    """tree_decode(energy=...) over a sharded cache of rows filled to different lengths."""
+    from treeattn.decode import tree_decode
+
+    q, k, v = make_qkv(getkey, (2, 32, HEADS, 2, 8, 3), jnp.float32)
+    q = jnp.stack([q[:1], q[1:2]])  # [batch 2, q_seq 1, heads, qk]
+    k, v = jnp.stack([k, k[::-1]]), jnp.stack([v, v[::-1]])  # [batch 2, 32, kv_heads, d]
+    lengths = [20, 32]
+    energy = make_energy(case)
+    layout = (lambda x: x.transpose(0, 2, 1, 3)) if kv_layout == "bhsd" else (lambda x: x)
+    kw = {"mesh": mesh_of(4), "kv_axis": "kv", "kv_layout": kv_layout, "energy": energy}
+    out = tree_decode(q, layout(k), layout(v), kv_length=jnp.asarray(lengths), **kw)
+    for b, n in enumerate(lengths):
+        expected = reference(*ENERGIES[case], q[b], k[b, :n], v[b, :n], causal=True, q_offset=n - 1)
+        assert ref.rel_err(out[b], expected[0]) <= TOL[jnp.float32]

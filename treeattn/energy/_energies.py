@@ -1,0 +1,277 @@
+r"""Energies as values: the base class `Energy` and the energies treeattn ships.
+
+An energy says how one query scores each key (its *logits*), how the source $\zeta$ tilts a
+key (the per-key *elements* built from a logit $x_a$ and the tilt $t_a = \zeta\cdot v_a$), an
+optional term added once per query (a sink), and the `Monoid` its elements reduce with. From
+these alone treeattn computes the free energy $F(\zeta)$, attention as
+$\partial F/\partial\zeta|_{\zeta=0}$, the cumulants of the values as higher derivatives, and
+the sharded and tree forms (each monoid carries its collective schedule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from .._numerics import Dims, as_position
+from .._partials import LOG_AFFINE, LOGSUMEXP, SUM, Monoid
+
+
+class Context(NamedTuple):
+    """Where a block of logits sits: sizes, scale and absolute positions.
+
+    `q_pos[rows]` is the absolute position of each query row (rows layout, see
+    `treeattn._numerics.to_rows`), `k_pos[kv]` that of each key of the block, `head[kv_heads,
+    rows]` the query head of each row, and `kv_total` the number of keys of the whole sequence
+    (all shards and blocks together).
+    """
+
+    dims: Dims
+    scale: float
+    q_pos: Int[Array, " rows"]
+    k_pos: Int[Array, " kv"]
+    head: np.ndarray
+    kv_total: int
+
+
+def make_context(dims: Dims, scale: float, q_offset, kv_offset, kv_total: int) -> Context:
+    """The context of a block of `dims.kv_seq` keys starting at absolute position `kv_offset`."""
+    q_pos = as_position(q_offset) + jnp.arange(dims.q_seq, dtype=jnp.int32)
+    k_pos = as_position(kv_offset) + jnp.arange(dims.kv_seq, dtype=jnp.int32)
+    group_of_row = np.arange(dims.rows) // max(dims.q_seq, 1)
+    head = np.arange(dims.kv_heads)[:, None] * dims.group + group_of_row[None, :]
+    return Context(dims, scale, jnp.tile(q_pos, dims.group), k_pos, head, kv_total)
+
+
+def per_head(x, ctx: Context, dtype) -> Array:
+    """A scalar or a `[heads]` parameter as one value per query row, `[kv_heads, rows]`."""
+    x = jnp.asarray(x, dtype)
+    if x.ndim == 0:
+        return jnp.broadcast_to(x, ctx.head.shape)
+    return x[ctx.head]
+
+
+class Energy(eqx.Module):
+    r"""An energy of attention: subclass it, set `monoid`, and write `elements`.
+
+    For one query row the free energy is
+    $F(\zeta) = \mathrm{readout}\big(\mathrm{once} \oplus \bigoplus_a
+    \mathrm{lift}(e(x_a, \zeta\cdot v_a))\big)$, where $x_a$ are `logits`, $e$ is `elements`
+    and $\oplus$ the `monoid`'s combine, in key order. Attention is its gradient in $\zeta$ at
+    0, and the $n$-th derivative the $n$-th cumulant of the values.
+
+    Learnable parameters are array fields (Equinox): `jax.grad` reaches them through every
+    function that takes `energy=`.
+
+    **Methods to override:**
+
+    - `elements(x, tilt, ctx)` (required): per-key elements, one leaf per part of the monoid's
+      state, each `[kv_heads, rows, kv]`, from logits `x` and the tilt $t_a = \zeta\cdot v_a$
+      (exactly 0 at $\zeta = 0$; its derivative is supplied without computing the product).
+    - `logits(q, k, ctx)`: `q[kv_heads, rows, qk]` (rows layout), `k[kv, kv_heads, qk]`;
+      default $s\,q\cdot k$. Logit transforms (soft-capping, position biases) live here, with
+      absolute positions from `ctx` so that shards and blocks agree.
+    - `once(ctx)`: a state added exactly once per query row (a sink), or None.
+    - `readout(state, ctx)`: the free energy of each row; default the monoid's.
+
+    ```python
+    class ReLU2(Energy):
+        monoid = SUM  # F = sum_a relu(x_a + zeta.v_a)^2 / 2
+
+        def elements(self, x, tilt, ctx):
+            return 0.5 * jax.nn.relu(x + tilt) ** 2
+    ```
+    """
+
+    monoid: ClassVar[Monoid] = LOGSUMEXP
+
+    def logits(
+        self, q: Float[Array, "kv_heads rows qk"], k: Float[Array, "kv kv_heads qk"], ctx: Context
+    ) -> Float[Array, "kv_heads rows kv"]:
+        return jnp.einsum("kmd,skd->kms", q * jnp.asarray(ctx.scale, q.dtype), k)
+
+    def elements(self, x: Float[Array, "kv_heads rows kv"], tilt, ctx: Context) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define elements(x, tilt, ctx)")
+
+    def once(self, ctx: Context) -> Any:
+        return None
+
+    def readout(self, state: Any, ctx: Context) -> Float[Array, "kv_heads rows"]:
+        return self.monoid.readout(state)
+
+
+def _alibi_and_softcap(x, softcap, alibi_slopes, ctx: Context):
+    if softcap is not None:
+        c = jnp.asarray(softcap, x.dtype)
+        x = c * jnp.tanh(x / c)
+    if alibi_slopes is not None:
+        slopes = per_head(alibi_slopes, ctx, x.dtype)
+        distance = jnp.abs(ctx.q_pos[:, None] - ctx.k_pos[None, :]).astype(x.dtype)
+        x = x - slopes[..., None] * distance
+    return x
+
+
+class Softmax(Energy):
+    r"""Softmax attention with inverse temperature $\beta$ (the modern Hopfield energy).
+
+    $$F(\zeta) = \beta^{-1}\log\sum_a \exp\big(\beta\,(x_a + \zeta\cdot v_a)\big)$$
+
+    with $x_a = s\,q\cdot k_a$, optionally soft-capped to $c\tanh(x_a/c)$ (`softcap`, Gemma 2)
+    and shifted by ALiBi, $-m_h\,|i - j|$ (`alibi_slopes`, one slope per head). Monoid:
+    log-sum-exp. Its Hessian in $\zeta$ is $\beta$ times the covariance of the values under
+    $p = \mathrm{softmax}(\beta x)$. `Softmax()` is treeattn's default energy and takes the
+    same code path (and speed) as the functions without `energy=`.
+    """
+
+    beta: Any = 1.0
+    softcap: Any = None
+    alibi_slopes: Any = None
+    monoid: ClassVar[Monoid] = LOGSUMEXP
+
+    def logits(self, q, k, ctx):
+        x = super().logits(q, k, ctx)
+        return _alibi_and_softcap(x, self.softcap, self.alibi_slopes, ctx)
+
+    def elements(self, x, tilt, ctx):
+        beta = jnp.asarray(self.beta, x.dtype)
+        return beta * (x + tilt)
+
+    def readout(self, state, ctx):
+        return state / jnp.asarray(self.beta, state.dtype)
+
+
+class SoftmaxWithSink(Softmax):
+    r"""Softmax with an attention sink: a logit $\sigma_h$ per head that takes weight but
+    carries no value (gpt-oss); `sink=0.0` is softmax1.
+
+    $$F(\zeta) = \beta^{-1}\log\Big(e^{\beta\sigma_h} + \sum_a e^{\beta(x_a + \zeta\cdot v_a)}
+    \Big)$$
+
+    The sink enters once per query, after every shard and block is merged. `sink` is a scalar
+    or `[heads]` (learnable as an array). Monoid: log-sum-exp. The Hessian is the covariance of
+    the values under the attention distribution with the sink as one more outcome of value 0.
+    """
+
+    sink: Any = 0.0
+
+    def once(self, ctx):
+        wide = (
+            jnp.result_type(self.sink) == jnp.float64 or jnp.result_type(self.beta) == jnp.float64
+        )
+        dtype = jnp.float64 if wide else jnp.float32
+        return per_head(self.beta, ctx, dtype) * per_head(self.sink, ctx, dtype)
+
+
+class Sigmoid(Energy):
+    r"""Sigmoid attention: each key is weighted independently, $\sigma(x_a + b)$.
+
+    $$F(\zeta) = \sum_a \mathrm{softplus}(x_a + b + \zeta\cdot v_a),$$
+
+    with bias $b$ (default $-\log n$, $n$ the number of key slots of the whole sequence — with
+    a partly filled cache that counts every slot, so pass `bias` explicitly when decoding).
+    Monoid: a sum — no running max, one all-reduce across devices. Its gradient at 0 is $\sum_a
+    \sigma(x_a + b)\, v_a$ and its Hessian $\sum_a \sigma(1-\sigma)\, v_a v_a^\top$.
+    """
+
+    bias: Any = None
+    monoid: ClassVar[Monoid] = SUM
+
+    def elements(self, x, tilt, ctx):
+        b = -np.log(max(ctx.kv_total, 1)) if self.bias is None else self.bias
+        return jax.nn.softplus(x + jnp.asarray(b, x.dtype) + tilt)
+
+
+def elu_plus_one(x: Array) -> Array:
+    r"""$\phi(x) = \mathrm{elu}(x) + 1 > 0$, the feature map of Katharopoulos et al. (2020)."""
+    return jax.nn.elu(x) + 1.0
+
+
+class LinearKernel(Energy):
+    r"""Normalised linear (kernel) attention with a feature map $\phi \ge 0$.
+
+    $$F(\zeta) = \log\sum_a \phi(q)\cdot\phi(k_a)\; e^{\zeta\cdot v_a},$$
+
+    so attention is $\sum_a \phi(q)\cdot\phi(k_a)\, v_a / \sum_a \phi(q)\cdot\phi(k_a)$ (the
+    scale is not used). Monoid: a sum (read out with a logarithm), no running max. The Hessian
+    is the covariance of the values under the weights $\phi(q)\cdot\phi(k_a)$.
+    """
+
+    feature_map: Callable[[Array], Array] = eqx.field(static=True, default=elu_plus_one)
+    monoid: ClassVar[Monoid] = SUM
+
+    def logits(self, q, k, ctx):
+        return jnp.einsum("kmd,skd->kms", self.feature_map(q), self.feature_map(k))
+
+    def elements(self, x, tilt, ctx):
+        return x * jnp.exp(tilt)
+
+    def readout(self, state, ctx):
+        ok = (state > 0) | jnp.isnan(state)
+        return jnp.where(ok, jnp.log(jnp.where(ok, state, 1.0)), -jnp.inf)
+
+
+class StickBreaking(Energy):
+    r"""Stick-breaking attention (Tan et al., 2024): the latest key breaks off its share first.
+
+    With $\beta_a = \sigma(x_a)$ over the visible keys in position order, key $a$ gets weight
+    $A_a = \beta_a \prod_{b > a} (1 - \beta_b)$ and the rest of the stick,
+    $R = \prod_a (1-\beta_a)$, goes to no value (a value of 0). Then
+
+    $$F(\zeta) = \log\Big(R + \sum_a A_a\, e^{\zeta\cdot v_a}\Big),$$
+
+    whose gradient at 0 is $\sum_a A_a v_a$ (since $R + \sum_a A_a = 1$) and whose Hessian is
+    the covariance of that distribution. Monoid: ordered affine maps (associative, not
+    commutative); across devices it folds by the position of each block.
+    """
+
+    monoid: ClassVar[Monoid] = LOG_AFFINE
+
+    def elements(self, x, tilt, ctx):
+        return -jax.nn.softplus(-x) + tilt, -jax.nn.softplus(x)
+
+
+def is_plain_softmax(energy: Energy) -> bool:
+    """`Softmax()` with every default: served by the dedicated softmax code path."""
+    return (
+        type(energy) is Softmax
+        and isinstance(energy.beta, int | float)
+        and energy.beta == 1
+        and energy.softcap is None
+        and energy.alibi_slopes is None
+    )
+
+
+def check_energy(fn: str, energy) -> None:
+    """`energy` is an `Energy` instance."""
+    if not isinstance(energy, Energy):
+        raise ValueError(
+            f"{fn}: energy must be a treeattn.energy.Energy (e.g. Softmax()), got "
+            f"{type(energy).__name__}"
+        )
+
+
+def check_block_size(fn: str, block_size) -> None:
+    """`block_size` is None or a positive Python int."""
+    if block_size is None:
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{fn}: block_size must be a positive int or None, got {block_size!r}")
+
+
+def combine_once(energy: Energy, state, ctx: Context):
+    """The merged state with the energy's once-only term (a sink) folded in first."""
+    once = energy.once(ctx)
+    if once is None:
+        return state
+    once = jax.tree.map(lambda o, s: jnp.broadcast_to(o, s.shape).astype(s.dtype), once, state)
+    return energy.monoid.combine(once, state)
+
+
+SOFTMAX = Softmax()
+"""The default energy of every function that takes `energy=`."""

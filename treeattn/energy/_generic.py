@@ -1,0 +1,337 @@
+r"""One evaluation path for every `Energy`: local, sharded inside `shard_map`, and on a mesh.
+
+Per query row the free energy is the energy's readout of its monoid's reduction of the per-key
+elements. Attention is `jax.grad` in $\zeta$ at $\zeta = 0$ (the tilt $\zeta\cdot v$ is not
+computed there: `_tilt_at_zero`), cumulants are higher derivatives. Across devices each shard
+lifts its keys to a state, the monoid's collective schedule merges the states, and the
+gradient is the paper's Algorithm 2 for any monoid: the pullback of the merged state to a
+device's own state needs no communication, so the gradient costs one reduction more (of the
+cotangents of the replicated q, ζ and energy parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array
+
+from .._numerics import (
+    Dims,
+    compute_dtype,
+    default_scale,
+    lse_from_rows,
+    rows_visibility,
+    to_rows,
+    visibility,
+)
+from .._partials import AxisName, Reduction, axis_size, sum_across
+from .._sharding import SequenceSharding
+from ._checks import dims_of
+from ._energies import Context, Energy, combine_once, make_context
+from ._free_energy import _tilt, bad_logits, finite_kv
+
+
+@jax.custom_jvp
+def _tilt_at_zero(zeta, v):
+    """ζ·v_a at ζ = 0 without the product (see `_free_energy._tilt_at_zero`); the zeros carry
+    the device-variance of both arguments, so it also serves inside `shard_map`."""
+    return jnp.zeros_like(zeta)[:, :, :1] + jnp.zeros_like(v[:, :, 0]).T[:, None, :]
+
+
+@_tilt_at_zero.defjvp
+def _tilt_at_zero_jvp(primals, tangents):
+    zeta, v = primals
+    dzeta, _ = tangents
+    out = _tilt_at_zero(zeta, v)
+    return out, _tilt(dzeta, v)
+
+
+def local_state(energy: Energy, q, k, v, zeta, vis, ctx: Context, at_zero: bool) -> Any:
+    """The monoid state `[kv_heads, rows]` of this block of keys (visible ones only)."""
+    dims = ctx.dims
+    ct = compute_dtype(q.dtype)
+    k, v, bad = finite_kv(k, v)
+    x = bad_logits(energy.logits(to_rows(q.astype(ct), dims), k.astype(ct), ctx), bad)
+    vis_rows = rows_visibility(vis, dims)
+    if vis_rows is not None:
+        # A key the row does not see never reaches the energy's elements (nor their gradient).
+        x = jnp.where(vis_rows, x, jnp.zeros((), x.dtype))
+    if zeta is None:
+        tilt = jnp.zeros((), ct)
+    else:
+        tilt = (_tilt_at_zero if at_zero else _tilt)(to_rows(zeta.astype(ct), dims), v.astype(ct))
+    return energy.monoid.lift(energy.elements(x, tilt, ctx), vis_rows)
+
+
+def readout(energy: Energy, state, ctx: Context):
+    """F of every (query, head), `[q_seq, heads]`, from the merged state."""
+    return lse_from_rows(energy.readout(combine_once(energy, state, ctx), ctx), ctx.dims)
+
+
+def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None) -> Array:
+    dims = dims_of(q, k, v)
+    from ._blockwise import blockwise, choose_block
+
+    block = choose_block(dims, block_size)
+    if block is not None:
+        kw = {"block": block, "causal": causal, "scale": scale, "at_zero": at_zero}
+        return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, **kw)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+    ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
+    return readout(energy, local_state(energy, q, k, v, zeta, vis, ctx, at_zero), ctx)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
+def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None):
+    terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
+    return jnp.sum(terms)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
+def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None):
+    dims = dims_of(q, k, v)
+    zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
+
+    def total(zeta):
+        terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, block_size)
+        return jnp.sum(terms)
+
+    with jax.named_scope("energy_attention"):
+        return jax.grad(total)(zeta).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("order", "causal", "scale"))
+def cumulant(energy, q, k, v, mask, q_offset, *, order, causal, scale):
+    dims = dims_of(q, k, v)
+
+    def total(zeta):
+        # Forward mode (the higher derivatives) needs the materialised form: block_size=0.
+        return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0))
+
+    def mean_field(u):
+        return jax.grad(total)(jnp.broadcast_to(u, (dims.q_seq, dims.heads, dims.dv)))
+
+    derivative = mean_field
+    for _ in range(order - 1):
+        derivative = jax.jacfwd(derivative)
+    with jax.named_scope("value_moments"):
+        out = derivative(jnp.zeros((dims.dv,), compute_dtype(q.dtype)))
+    return out.astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded: inside shard_map (Algorithm 1 forward, Algorithm 2 gradient, for any monoid)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """Static configuration of one sharded evaluation (hashable)."""
+
+    local: Dims
+    scale: float
+    kv_total: int
+    axis_name: AxisName
+    reduction: Reduction
+    at_zero: bool
+
+
+def _zero_cotangent(x):
+    if x is None:
+        return None
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def sharded_forward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset):
+    """F `[q_seq, heads]` of the whole sequence on every device, and what its gradient keeps."""
+    ctx = make_context(cfg.local, cfg.scale, q_offset, kv_offset, cfg.kv_total)
+    state = local_state(energy, q, k, v, zeta, vis, ctx, cfg.at_zero)
+    merged, residual = energy.monoid.across(state, cfg.axis_name, cfg.reduction, kv_offset)
+    return readout(energy, merged, ctx), (state, merged, residual)
+
+
+def sharded_backward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct):
+    """Cotangents of (energy, q, k, v, zeta): one reduction, of the replicated ones."""
+    ctx = make_context(cfg.local, cfg.scale, q_offset, kv_offset, cfg.kv_total)
+    state, merged, residual = saved
+    _, pull_readout = jax.vjp(lambda e, m: readout(e, m, ctx), energy, merged)
+    d_energy_once, d_merged = pull_readout(ct)
+    d_state = energy.monoid.pullback(state, merged, residual, d_merged)
+    # The replicated inputs enter as per-device copies (plus a zero that varies like the local
+    # keys): their cotangents are then this device's share, reduced once below, and JAX does not
+    # insert its own sum for them inside a shard_map that checks replication.
+    zero = jnp.sum(jnp.zeros_like(k[:1, :1, :1]))
+    local = jax.tree.map(lambda x: x + zero.astype(jnp.result_type(x)), (energy, q, zeta))
+    _, pull_local = jax.vjp(
+        lambda e, q, k, v, z: local_state(e, q, k, v, z, vis, ctx, cfg.at_zero),
+        local[0],
+        local[1],
+        k,
+        v,
+        local[2],
+    )
+    d_state = jax.tree.map(lambda c: c + zero.astype(c.dtype), d_state)
+    d_energy, d_q, d_k, d_v, d_zeta = pull_local(d_state)
+    # Each leaf is reduced on its own so that an unused one (d_q, when only attention is
+    # wanted) is removed; XLA packs the live ones into one all-reduce.
+    reduce = functools.partial(sum_across, axis_name=cfg.axis_name, reduction=cfg.reduction)
+    d_energy = jax.tree.map(lambda a, b: reduce(a) + b, d_energy, d_energy_once)
+    return d_energy, reduce(d_q), d_k, d_v, reduce(d_zeta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def sharded_terms(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset):
+    return sharded_forward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset)[0]
+
+
+def _sharded_terms_fwd(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset):
+    f, saved = sharded_forward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset)
+    return f, (energy, q, k, v, zeta, vis, q_offset, kv_offset, saved)
+
+
+def _sharded_terms_bwd(cfg, res, ct):
+    energy, q, k, v, zeta, vis, q_offset, kv_offset, saved = res
+    grads = sharded_backward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct)
+    return (*grads, *map(_zero_cotangent, (vis, q_offset, kv_offset)))
+
+
+sharded_terms.defvjp(_sharded_terms_fwd, _sharded_terms_bwd)
+
+
+def sharded_total(
+    energy, q, k, v, zeta, vis, q_offset, kv_offset, dims, scale, axis_name, reduction
+):
+    """`sharded_free_energy` for any energy (arguments already checked)."""
+    total = dims.kv_seq * axis_size(axis_name)
+    cfg = Sharded(dims, scale, total, axis_name, reduction, False)
+    return jnp.sum(sharded_terms(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset))
+
+
+def sharded_attention(energy, q, k, v, vis, q_offset, kv_offset, dims, scale, axis_name, reduction):
+    """`sharded_energy_attention` for any energy (arguments already checked)."""
+    cfg = Sharded(dims, scale, dims.kv_seq * axis_size(axis_name), axis_name, reduction, True)
+    zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
+
+    def total(zeta):
+        return jnp.sum(sharded_terms(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset))
+
+    with jax.named_scope("sharded_energy_attention"):
+        return jax.grad(total)(zeta).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a mesh: global arrays, the custom VJP outside the two shard_maps
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OnMesh:
+    sharding: SequenceSharding
+    cfg: Sharded
+    causal: bool
+    has_mask: bool
+
+    def specs(self, mask_ndim: int):
+        seq = self.sharding.spec(3, 0)
+        specs = {"q": P(), "k": seq, "v": seq, "zeta": P(), "q_offset": P()}
+        if self.has_mask:
+            specs["mask"] = self.sharding.spec(mask_ndim, mask_ndim - 1)
+        return specs
+
+    def local(self, a: dict):
+        kv_offset = lax.axis_index(self.cfg.axis_name) * self.cfg.local.kv_seq
+        vis = visibility(
+            self.cfg.local,
+            causal=self.causal,
+            mask=a.get("mask"),
+            q_offset=a["q_offset"],
+            kv_offset=kv_offset,
+        )
+        return (a["q"], a["k"], a["v"], a["zeta"], vis, a["q_offset"], kv_offset)
+
+
+def _mask_ndim(args: dict) -> int:
+    return args["mask"].ndim if "mask" in args else 2
+
+
+def _mesh_forward(plan: OnMesh, energy, args: dict):
+    def local(energy, a):
+        f, saved = sharded_forward(plan.cfg, energy, *plan.local(a))
+        return f, jax.tree.map(lambda x: jnp.asarray(x)[None], saved)
+
+    axis = plan.sharding.axis_name
+    in_specs = (P(), plan.specs(_mask_ndim(args)))
+    return plan.sharding.shard_map(local, in_specs, (P(), P(axis)))(energy, args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def mesh_terms(plan: OnMesh, energy, args: dict):
+    return _mesh_forward(plan, energy, args)[0]
+
+
+def _mesh_terms_fwd(plan, energy, args):
+    f, saved = _mesh_forward(plan, energy, args)
+    return f, (energy, args, saved)
+
+
+def _mesh_terms_bwd(plan, res, ct):
+    energy, args, saved = res
+    specs = plan.specs(_mask_ndim(args))
+    axis = plan.sharding.axis_name
+
+    def local(energy, a, saved, ct):
+        saved = jax.tree.map(lambda x: x[0], saved)
+        q, k, v, zeta, vis, q_offset, kv_offset = plan.local(a)
+        d_e, d_q, d_k, d_v, d_z = sharded_backward(
+            plan.cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct
+        )
+        return d_e, {"q": d_q, "k": d_k, "v": d_v, "zeta": d_z}
+
+    out_specs = (P(), {name: specs[name] for name in ("q", "k", "v", "zeta")})
+    d_energy, grads = plan.sharding.shard_map(local, (P(), specs, P(axis), P()), out_specs)(
+        energy, args, saved, ct
+    )
+    for name in ("q_offset", "mask"):
+        if name in args:
+            grads[name] = _zero_cotangent(args[name])
+    return d_energy, grads
+
+
+mesh_terms.defvjp(_mesh_terms_fwd, _mesh_terms_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def mesh_total(plan: OnMesh, energy, args: dict):
+    return jnp.sum(mesh_terms(plan, energy, args))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def mesh_attention(plan: OnMesh, energy, args: dict):
+    def total(zeta):
+        return jnp.sum(mesh_terms(plan, energy, {**args, "zeta": zeta}))
+
+    with jax.named_scope("tree_energy_attention"):
+        return jax.grad(total)(args["zeta"])
+
+
+def on_mesh_plan(
+    sharding: SequenceSharding,
+    local: Dims,
+    kv_total: int,
+    scale,
+    causal,
+    reduction,
+    at_zero,
+    has_mask,
+) -> OnMesh:
+    cfg = Sharded(local, scale, kv_total, sharding.axis_name, reduction, at_zero)
+    return OnMesh(sharding, cfg, causal, has_mask)
