@@ -273,6 +273,88 @@ def test_check_grads_parameters(name, getkey):
 
 
 # ---------------------------------------------------------------------------------------------
+# Batched with vmap, differentiated in q, k, v and the energy's parameters
+# ---------------------------------------------------------------------------------------------
+
+
+# Every shipped energy, its parameters (NumPy's names) as arrays so that they are learnable.
+BATCHED = {
+    "softmax": {"beta": 1.3, "softcap": 1.5, "alibi": [0.5, 0.25, 0.125, 0.0625]},
+    "sink": {"sink": [0.3, -1.0, 2.0, 0.0]},
+    "sigmoid": {"bias": -0.4},
+    "linear": {},
+    "stick": {},
+}
+
+
+def _energy_of(name, p):
+    if name == "softmax":
+        return Softmax(beta=p["beta"], softcap=p["softcap"], alibi_slopes=p["alibi"])
+    if name == "sink":
+        return SoftmaxWithSink(sink=p["sink"])
+    if name == "sigmoid":
+        return Sigmoid(bias=p["bias"])
+    return {"linear": LinearKernel, "stick": StickBreaking}[name]()
+
+
+@pytest.mark.parametrize("name", BATCHED)
+def test_vmap_gradient_matches_unbatched_and_numpy(name, getkey):
+    """jax.grad through jax.vmap of energy_attention, in q, k, v and the energy's parameters:
+    the unbatched gradients, and float64 central differences of the NumPy reference."""
+    batch, shape, q_offset = 2, (3, 5, HEADS, 2, 4, 3), 2
+    qkv = [make_qkv(getkey, shape, jnp.float32) for _ in range(batch)]
+    q, k, v = (jnp.stack(x) for x in zip(*qkv, strict=True))
+    params = {n: jnp.asarray(x, jnp.float32) for n, x in BATCHED[name].items()}
+    w = jax.random.normal(getkey(), (batch, shape[0], HEADS, shape[5]))
+
+    def attend(q, k, v, p):
+        return energy_attention(q, k, v, causal=True, q_offset=q_offset, energy=_energy_of(name, p))
+
+    def batched(q, k, v, p):
+        return jnp.sum(w * jax.vmap(attend, in_axes=(0, 0, 0, None))(q, k, v, p))
+
+    grads = jax.grad(batched, argnums=(0, 1, 2, 3))(q, k, v, params)
+    unbatched = [
+        jax.grad(lambda *a, b=b: jnp.sum(w[b] * attend(*a)), argnums=(0, 1, 2, 3))(
+            q[b], k[b], v[b], params
+        )
+        for b in range(batch)
+    ]
+    for i in range(3):  # q, k, v: one gradient per batch element
+        want = jnp.stack([g[i] for g in unbatched])
+        np.testing.assert_allclose(grads[i], want, rtol=1e-5, atol=1e-6)
+    for n in params:  # the shared parameters: the sum over the batch
+        want = sum(g[3][n] for g in unbatched)
+        np.testing.assert_allclose(grads[3][n], want, rtol=1e-5, atol=1e-6)
+
+    def numpy_loss(q, k, v, p):
+        out = [
+            reference(name, p, q[b], k[b], v[b], causal=True, q_offset=q_offset)[0]
+            for b in range(batch)
+        ]
+        return float(np.sum(ref.f64(w) * np.stack(out)))
+
+    args = [ref.f64(q), ref.f64(k), ref.f64(v), {n: ref.f64(a) for n, a in params.items()}]
+    eps = 1e-4
+    for i, g in enumerate(grads):  # the derivative along a random direction of argument i
+        rng = np.random.default_rng(i)
+        d = jax.tree.map(lambda a, rng=rng: rng.normal(size=np.shape(a)), args[i])
+        if not jax.tree.leaves(d):
+            continue  # an energy without parameters
+
+        def moved(t, i=i, d=d):
+            a = list(args)
+            a[i] = jax.tree.map(lambda x, y: x + t * y, args[i], d)
+            return numpy_loss(*a)
+
+        want = (moved(eps) - moved(-eps)) / (2 * eps)
+        got = sum(
+            np.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(d), strict=True)
+        )
+        assert abs(got - want) <= 1e-5 * (abs(want) + 1), (i, got, want)
+
+
+# ---------------------------------------------------------------------------------------------
 # Sharded and on a mesh: the same numbers, the monoid's collectives
 # ---------------------------------------------------------------------------------------------
 

@@ -229,10 +229,9 @@ def _attend_energy(
     attention_energy,
     local_window_size=None,
 ):
-    """Attention of any energy through `treeattn.energy`: the gradient in ζ at 0 of
-    `multihead_free_energy(energy=...)` for `"energy"`, `"reference"` and `"flash"` (there is
-    no fused kernel of a general energy), and of `tree_free_energy(energy=...)` over
-    `backend.mesh` for `"tree"`. The keys are first put
+    """Attention of any energy through `treeattn.energy`: `energy_attention(energy=...)` for
+    `"energy"`, `"reference"` and `"flash"` (there is no fused kernel of a general energy), and
+    `tree_energy_attention(energy=...)` over `backend.mesh` for `"tree"`. The keys are first put
     in position order (a round-robin cache holds them permuted; an ordered monoid such as
     stick-breaking and position-dependent logits such as ALiBi need slot = position), and the
     unfilled slots masked."""
@@ -245,45 +244,19 @@ def _attend_energy(
     if kv_length is not None:
         filled = jnp.broadcast_to(jnp.arange(kv_seq) < kv_length, (q.shape[0], kv_seq))
         mask = filled if mask is None else jnp.logical_and(mask, filled)
-    e = attention_energy
+    kw = {
+        "causal": causal,
+        "mask": mask,
+        "q_offset": q_offset,
+        "energy": attention_energy,
+        "local_window_size": local_window_size,
+    }
     if backend.name == "tree":
         assert backend.mesh is not None and backend.kv_axis is not None
-        mesh, axis, reduction = backend.mesh, backend.kv_axis, backend.reduction
-
-        def total(zeta):
-            return energy.tree_free_energy(
-                q,
-                k,
-                v,
-                zeta,
-                mesh=mesh,
-                kv_axis=axis,
-                causal=causal,
-                mask=mask,
-                q_offset=q_offset,
-                reduction=reduction,
-                energy=e,
-                local_window_size=local_window_size,
-            )
-    else:
-
-        def total(zeta):
-            return energy.multihead_free_energy(
-                q,
-                k,
-                v,
-                zeta,
-                causal=causal,
-                mask=mask,
-                q_offset=q_offset,
-                energy=e,
-                local_window_size=local_window_size,
-            )
-
-    # Attention as the gradient of F at ζ = 0, taken here rather than by `energy_attention`,
-    # whose ζ·v-free form does not yet batch (vmap) through a gradient in v for a general energy.
-    zeta = jnp.zeros((q.shape[0], q.shape[1], v.shape[-1]), jnp.promote_types(q.dtype, jnp.float32))
-    return jax.grad(total)(zeta).astype(q.dtype)
+        return energy.tree_energy_attention(
+            q, k, v, mesh=backend.mesh, kv_axis=backend.kv_axis, reduction=backend.reduction, **kw
+        )
+    return energy.energy_attention(q, k, v, **kw)
 
 
 def _tree_devices(backend: AttentionBackend) -> int:
