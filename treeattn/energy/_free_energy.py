@@ -327,7 +327,7 @@ def _multihead(
     scale,
     q_offset,
     local_window_size=None,
-    energy=SOFTMAX,
+    energy: Energy = SOFTMAX,
     block_size=None,
 ) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
