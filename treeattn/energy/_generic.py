@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
@@ -36,42 +35,7 @@ from .._partials import AxisName, Reduction, axis_size, sum_across
 from .._sharding import SequenceSharding
 from ._checks import dims_of
 from ._energies import Context, Energy, combine_once, make_context
-from ._free_energy import _tilt, bad_logits, finite_kv
-
-
-def _zero_like(x: Array) -> Array:
-    """Zeros of the shape of `x` that still depend on its entries (selected, never computed
-    from them: exactly 0 whatever `x` holds), so they vary wherever `x` does — along a `vmap`
-    batch axis, and across the devices of a `shard_map`."""
-    return jnp.where(False, x, jnp.zeros((), x.dtype))
-
-
-@jax.custom_jvp
-def _tilt_at_zero(zeta, v):
-    r"""The tilt $\zeta\cdot v_a$ `[kv_heads, rows, kv]` at $\zeta = 0$, without the product.
-
-    Its value is 0; its derivative in $\zeta$ is the exact one ($v_a$) and the one in $v$,
-    $\zeta\cdot\dot v_a$, vanishes at $\zeta = 0$ (see `_free_energy._tilt_at_zero`). The
-    zeros depend on the entries of both arguments because the tangent $\dot\zeta\cdot v_a$
-    does: under `vmap` a custom JVP's output must be batched wherever its tangent is, and JAX
-    fixes the output's batching before it runs the JVP rule (inside `jit`, when it linearises
-    later), so zeros batched like neither argument break differentiation in $v$ of a batched
-    `energy_attention`. The same dependence carries the device-variance inside `shard_map`.
-    """
-    return _zero_like(zeta[:, :, :1]) + _zero_like(v[:, :, 0]).T[:, None, :]
-
-
-def _tilt_at_zero_jvp(primals, tangents):
-    zeta, v = primals
-    dzeta, _ = tangents
-    out = _tilt_at_zero(zeta, v)
-    if isinstance(dzeta, SymbolicZero):
-        # Differentiating in q, k, v or the energy only: the tilt stays 0, not a product.
-        return out, jnp.zeros_like(out)
-    return out, _tilt(dzeta, v)
-
-
-_tilt_at_zero.defjvp(_tilt_at_zero_jvp, symbolic_zeros=True)
+from ._free_energy import _tilt, _tilt_at_zero, bad_logits, finite_kv
 
 
 def local_state(energy: Energy, q, k, v, zeta, vis, ctx: Context, at_zero: bool) -> Any:
