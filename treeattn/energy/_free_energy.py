@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Bool, Float, Int
 
@@ -55,7 +56,7 @@ def _zero_like(x: Array) -> Array:
     """Zeros of the shape of `x` that still depend on its entries (selected, never computed
     from them: exactly 0 whatever `x` holds), so they vary wherever `x` does — along a `vmap`
     batch axis, and across the devices of a `shard_map`."""
-    return jnp.where(False, x, jnp.zeros((), x.dtype))
+    return lax.select(jnp.zeros(x.shape, jnp.bool_), x, jnp.zeros_like(x))
 
 
 @jax.custom_jvp
