@@ -178,27 +178,7 @@ def plan_decode(
         if bias is not None:
             bias = sharding.pad(bias, 3)
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
-    call = kernel_call(
-        local,
-        jnp.result_type(q),
-        causal=causal,
-        has_length=True,
-        q_offset=None,
-        has_positions=positions is not None,
-        window=window,
-        has_mask=mask is not None,
-        has_bias=bias is not None,
-    )
-    plan = DecodePlan(
-        sharding,
-        local,
-        causal,
-        resolve(fn, backend, call),
-        positions is not None,
-        window=window,
-        has_mask=mask is not None,
-        has_bias=bias is not None,
-    )
+    plan = _plan(fn, sharding, local, q, backend, causal, positions is not None, window, mask, bias)
     return plan, q, k, v, offsets, lengths, positions, mask, bias
 
 
@@ -207,24 +187,33 @@ def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias):
     a length alone, which every fused kernel takes (no positions, no causal mask, no copy)."""
     lengths = jnp.maximum(fills, 0)  # a traced negative length sees no key
     local = dataclasses.replace(dims, kv_seq=dims.kv_seq // sharding.devices)
+    plan = _plan(fn, sharding, local, q, backend, False, False, None, mask, bias, per_shard=True)
+    return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None, mask, bias
+
+
+def _plan(
+    fn, sharding, local, q, backend, causal, positional, window, mask, bias, *, per_shard=False
+) -> DecodePlan:
+    """The plan of one shard's call (`local` its sizes), its kernel resolved per platform."""
     call = kernel_call(
         local,
         jnp.result_type(q),
-        causal=False,
+        causal=causal,
         has_length=True,
         q_offset=None,
-        has_positions=False,
+        has_positions=positional,
+        window=window,
         has_mask=mask is not None,
         has_bias=bias is not None,
     )
-    plan = DecodePlan(
+    return DecodePlan(
         sharding,
         local,
-        False,
+        causal,
         resolve(fn, backend, call),
-        False,
+        positional,
+        window=window,
         has_mask=mask is not None,
         has_bias=bias is not None,
-        per_shard=True,
+        per_shard=per_shard,
     )
-    return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None, mask, bias
