@@ -77,8 +77,9 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
     assert memory.temp_size_in_bytes < cache.layer(0).k.nbytes / 4
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("backend", ["flash", tree(2)], ids=["flash", "tree-2"])
-def test_batched_generate_holds_no_copy_of_the_cache(backend):
+def test_batched_generate_holds_no_copy_of_the_cache(backend, rows):
     """`generate`'s compiled loop receives one empty cache per row, allocated in place (shard
     by shard) and donated: every buffer is aliased to an output, nothing copies, broadcasts or
     transposes a cache-sized buffer, and the temporaries are activations only."""
@@ -93,7 +94,6 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend):
     template = jax.eval_shape(
         lambda: model.init_cache(MAX_LEN, mesh=mesh, kv_axis=axis, layout="bhsd")
     )
-    rows = 3
     cache = empty_rows(template, rows, mesh=mesh, kv_axis=axis)
     assert cache.length.shape == (rows,) and cache.k[0].shape == (rows, *template.k[0].shape)
     if mesh is not None:  # sharded along the slots, as the tree backend reads it

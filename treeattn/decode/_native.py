@@ -339,16 +339,20 @@ def kernel_info() -> dict[str, Any] | None:
     return None if load_kernel() is not None else dict(_loaded)
 
 
-def _ffi(q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos, window=None):
+def _ffi(
+    q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos, window, squeeze
+):
     batch, q_seq, heads, _ = q.shape
     out_types = (
         jax.ShapeDtypeStruct((batch, q_seq, heads, v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((batch, heads, q_seq), jnp.float32),
     )
-    if batch == 1 and k.ndim == 4 and v.ndim == 4:
+    if squeeze and batch == 1 and k.ndim == 4 and v.ndim == 4:
         # One row: K and V go without the batch axis. When they are a cache buffer with a unit
         # axis added by the caller, the two reshapes cancel and the kernel reads the buffer
-        # itself, so XLA can update it in place just before (see `_cpu_kernel.cc`).
+        # itself, so XLA can update it in place just before (see `_cpu_kernel.cc`). XLA:CPU
+        # cannot update a buffer in place when the kernel reads it through a reshape: it
+        # copies the whole buffer.
         k, v = k[0], v[0]
     return jax.ffi.ffi_call(TARGET, out_types)(
         q,
@@ -367,16 +371,18 @@ def _ffi(q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos
 
 
 @functools.cache
-def _kernel(scale: float, causal: bool, window, layout: str, has_pos: bool):
+def _kernel(scale: float, causal: bool, window, layout: str, has_pos: bool, squeeze: bool = True):
     """The kernel call for one set of static attributes, with a vmap rule: a vmapped axis over
     batched K/V (a batch of caches) joins the kernel's batch axis, so `jax.vmap` costs one call,
     not a loop; with K/V shared across the axis, the calls run one after another (folding them
-    in would copy the cache)."""
+    in would copy the cache). `squeeze`: a single row's K/V go without their unit batch axis
+    (an unbatched cache with the caller's unit axis); inside the vmap rule they keep it, since
+    there the folded axis is the batched cache's own."""
     attrs = dict(scale=scale, causal=causal, window=window, layout=layout, has_pos=has_pos)
 
     @jax.custom_batching.custom_vmap
     def kernel(q, k, v, q_offset, kv_length, kv_pos):
-        return _ffi(q, k, v, q_offset, kv_length, kv_pos, **attrs)
+        return _ffi(q, k, v, q_offset, kv_length, kv_pos, **attrs, squeeze=squeeze)
 
     @kernel.def_vmap
     def _rule(axis_size, in_batched, *args):
@@ -394,7 +400,8 @@ def _kernel(scale: float, causal: bool, window, layout: str, has_pos: bool):
             a = a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
             return a.reshape(axis_size * batch, *a.shape[2:])
 
-        out, lse = kernel(*(fold(a, b) for a, b in pairs))
+        folded = _kernel(scale, causal, window, layout, has_pos, squeeze=False)
+        out, lse = folded(*(fold(a, b) for a, b in pairs))
         unfold = (x.reshape(axis_size, batch, *x.shape[1:]) for x in (out, lse))
         return tuple(unfold), (True, True)
 
