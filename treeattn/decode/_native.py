@@ -340,7 +340,19 @@ def kernel_info() -> dict[str, Any] | None:
 
 
 def _ffi(
-    q, k, v, q_offset, kv_length, kv_pos, *, scale, causal, layout, has_pos, window, squeeze
+    q,
+    k,
+    v,
+    q_offset,
+    kv_length,
+    kv_pos,
+    *,
+    scale,
+    causal,
+    layout,
+    has_pos,
+    window=None,
+    squeeze=True,
 ):
     batch, q_seq, heads, _ = q.shape
     out_types = (
