@@ -5,6 +5,8 @@
     python benchmarks/generate.py --static         # + transformers static cache, torch.compile
     python benchmarks/generate.py --mode floor     # the model-level floor, 12 x 768 Llama:
         --dtypes float32 bfloat16 --batch 1 8 --contexts 1024 8192 32768 [--hf [--static]]
+    python benchmarks/generate.py --mode floor --sharded 8   # + the cache over 8 devices:
+        tree and ring steps beside the one-device step (batch 1)
     python benchmarks/generate.py --quick          # both modes at tiny sizes, seconds
 
 **throughput**: prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once
@@ -59,6 +61,12 @@ def main() -> None:
     parser.add_argument(
         "--max-gb", type=float, default=8.0, help="floor: skip cases needing more memory"
     )
+    parser.add_argument(
+        "--sharded",
+        type=int,
+        default=0,
+        help="floor: also the cache over this many simulated devices, tree and ring (batch 1)",
+    )
     args = parser.parse_args()
     mode = args.mode or ("all" if args.quick else "throughput")
     if args.quick:
@@ -66,6 +74,9 @@ def main() -> None:
     args.repeats = args.repeats or (2 if args.quick else 7)
 
     import jax
+
+    if args.sharded:  # simulated CPU devices (no effect on other platforms)
+        jax.config.update("jax_num_cpu_devices", args.sharded)
     from _common import machine, write_json
 
     payload: dict = {"machine": machine(), "args": vars(args), "mode": mode}
@@ -326,9 +337,18 @@ def floor(args) -> dict:
     backend = AttentionBackend(args.backend)
     n, kv_heads, head = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     assert kv_heads is not None and head is not None
+    sharded: dict = {}
+    if args.sharded:
+        from jax.sharding import Mesh
 
-    @functools.partial(jax.jit, static_argnames="static", donate_argnames="cache")
-    def step(params, static, tokens, cache):
+        mesh = Mesh(np.array(jax.devices()[: args.sharded]), ("kv",))
+        sharded = {
+            name: AttentionBackend(name, kernel=backend.kernel, mesh=mesh, kv_axis="kv")
+            for name in ("tree", "ring")
+        }
+
+    @functools.partial(jax.jit, static_argnames=("static", "backend"), donate_argnames="cache")
+    def step(params, static, tokens, cache, backend):
         model = eqx.combine(params, static)
         return jax.vmap(lambda t, c: model(t[None], c, backend=backend))(tokens, cache)
 
@@ -336,11 +356,14 @@ def floor(args) -> dict:
     print(
         f"\nfloor: Llama {n} x {config.hidden_size} (heads {config.num_attention_heads}/"
         f"{kv_heads} of {head}, vocab {config.vocab_size}); backend {args.backend!r}"
+        + (f"; tree and ring over {args.sharded} devices at batch 1" if sharded else "")
     )
     header = (
         f"{'dtype':<9} {'batch':>5} {'context':>7} {'weights MB':>10} {'cache MB':>9} "
         f"{'floor':>9} {'step':>9} {'step/floor':>10} {'GB/s read':>9}"
     )
+    if sharded:
+        header += f" {'tree':>9} {'tree/floor':>10} {'ring':>9} {'ring/tree':>9}"
     print(header)
     print("-" * len(header))
     rows = []
@@ -353,46 +376,63 @@ def floor(args) -> dict:
             for context in args.contexts:
                 filled = batch * 2 * n * kv_heads * context * head * dtype.itemsize
                 total = weights + filled
-                if 2 * total > args.max_gb * 1e9:  # the cache and a stream of as many bytes
-                    why = f"needs {2 * total / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
+                copies = 2 + (1 if sharded and batch == 1 else 0)  # caches and the stream
+                if copies * total > args.max_gb * 1e9:
+                    why = f"needs {copies * total / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
                     rows.append(
                         {"dtype": dtype_name, "batch": batch, "context": context, "skipped": why}
                     )
                     print(f"{dtype_name:<9} {batch:>5} {context:>7} skipped: {why}")
                     continue
-                cache = KVCache.create(
-                    kv_heads, context + 8, head, layers=n, dtype=dtype, batch=batch
-                )
-                keys = jax.random.split(jax.random.key(1), 2 * n)
-                fill = [
-                    jax.random.normal(k, x.shape, dtype)
-                    for k, x in zip(keys, (*cache.k, *cache.v), strict=True)
-                ]
 
                 def at(batch=batch, context=context):  # a fresh array: the cache is donated
                     return jnp.full((batch,), context - 1, jnp.int32)
 
-                cache = eqx.tree_at(
-                    lambda c: (c.k, c.v, c.length), cache, (tuple(fill[:n]), tuple(fill[n:]), at())
-                )
+                def filled_cache(batch=batch, context=context, dtype=dtype, **where):
+                    cache = KVCache.create(
+                        kv_heads, context + 8, head, layers=n, dtype=dtype, batch=batch, **where
+                    )
+                    keys = jax.random.split(jax.random.key(1), 2 * n)
+                    fill = [  # random slots: the cost does not depend on what they hold
+                        jax.device_put(jax.random.normal(k, x.shape, dtype), x.sharding)
+                        for k, x in zip(keys, (*cache.k, *cache.v), strict=True)
+                    ]
+                    return eqx.tree_at(
+                        lambda kv: (kv.k, kv.v, kv.length),
+                        cache,
+                        (tuple(fill[:n]), tuple(fill[n:]), at()),
+                    )
+
+                runs = {"step": (backend, filled_cache())}
+                if sharded and batch == 1:
+                    for name, be in sharded.items():
+                        runs[name] = (be, filled_cache(mesh=be.mesh, kv_axis="kv"))
+                caches = {name: c for name, (_, c) in runs.items()}
                 stream = jnp.ones((total // 4,), jnp.float32)
                 jax.block_until_ready(read(stream))
                 tokens = jnp.ones((batch,), jnp.int32)
-                for _ in range(2):  # compile, warm up
-                    _, cache = step(params, static, tokens, cache)
-                    cache = eqx.tree_at(lambda c: c.length, cache, at())
-                jax.block_until_ready(cache)
-                t_step, t_floor = [], []
+                compile_s = {}
+                for name, (be, _) in runs.items():
+                    for i in range(2):  # compile, warm up
+                        start = time.perf_counter()
+                        logits, caches[name] = step(params, static, tokens, caches[name], be)
+                        jax.block_until_ready(logits)
+                        caches[name] = eqx.tree_at(lambda c: c.length, caches[name], at())
+                        if i == 0:
+                            compile_s[name] = time.perf_counter() - start
+                times: dict = {"floor": [], **{name: [] for name in runs}}
                 for _ in range(args.repeats):
                     start = time.perf_counter()
                     jax.block_until_ready(read(stream))
-                    t_floor.append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    logits, cache = step(params, static, tokens, cache)
-                    jax.block_until_ready(logits)
-                    t_step.append(time.perf_counter() - start)
-                    cache = eqx.tree_at(lambda c: c.length, cache, at())
-                t, f = statistics.median(t_step), statistics.median(t_floor)
+                    times["floor"].append(time.perf_counter() - start)
+                    for name, (be, _) in runs.items():
+                        start = time.perf_counter()
+                        logits, caches[name] = step(params, static, tokens, caches[name], be)
+                        jax.block_until_ready(logits)
+                        times[name].append(time.perf_counter() - start)
+                        caches[name] = eqx.tree_at(lambda c: c.length, caches[name], at())
+                med = {name: statistics.median(v) for name, v in times.items()}
+                t, f = med["step"], med["floor"]
                 row = {
                     "dtype": dtype_name,
                     "batch": batch,
@@ -403,14 +443,28 @@ def floor(args) -> dict:
                     "step_s": t,
                     "step_over_floor": t / f,
                     "read_GBps": total / f / 1e9,
+                    "first_call_s": compile_s,
                 }
-                rows.append(row)
-                print(
+                line = (
                     f"{dtype_name:<9} {batch:>5} {context:>7} {weights / 1e6:>10.0f} "
                     f"{filled / 1e6:>9.0f} {f * 1e3:>7.1f}ms {t * 1e3:>7.1f}ms "
                     f"{t / f:>9.2f}x {total / f / 1e9:>9.1f}"
                 )
-                del cache, stream, fill
+                if "tree" in med:
+                    row |= {
+                        "devices": args.sharded,
+                        "tree_s": med["tree"],
+                        "ring_s": med["ring"],
+                        "tree_over_floor": med["tree"] / f,
+                        "ring_over_tree": med["ring"] / med["tree"],
+                    }
+                    line += (
+                        f" {med['tree'] * 1e3:>7.1f}ms {med['tree'] / f:>9.2f}x "
+                        f"{med['ring'] * 1e3:>7.1f}ms {med['ring'] / med['tree']:>8.2f}x"
+                    )
+                rows.append(row)
+                print(line)
+                del caches, runs, stream
     out: dict = {"config": str(config), "rows": rows}
     if args.hf:
         model = Transformer(config, key=jax.random.key(0))

@@ -35,8 +35,8 @@ CONFIG = LlamaConfig(
 MAX_LEN = 2048  # large enough that a copy of one layer's cache stands out
 
 
-def tree(p):
-    return AttentionBackend("tree", mesh=Mesh(np.array(jax.devices()[:p]), ("kv",)), kv_axis="kv")
+def tree(p, name="tree"):
+    return AttentionBackend(name, mesh=Mesh(np.array(jax.devices()[:p]), ("kv",)), kv_axis="kv")
 
 
 def model_of(dtype=jnp.float32):
@@ -268,15 +268,15 @@ def test_shard_lengths_count_the_filled_slots(p, block):
     assert (np.diff(held, axis=1) > 0).all()
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
-def test_round_robin_decode_steps_match_one_full_pass(p, getkey):
+@pytest.mark.parametrize("p, name", [(2, "tree"), (4, "tree"), (8, "tree"), (4, "ring")])
+def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
     """Decode steps over a cache sharded round-robin (each shard told its fill length) give the
     logits of the reference backend's full pass, after prompts that leave the shards unevenly
-    filled (some empty, one partly filled)."""
+    filled (some empty, one partly filled); the ring baseline too."""
     model = model_of()
     tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
     full = model(tokens, backend="reference")
-    backend = tree(p)
+    backend = tree(p, name)
     for n in (1, 5, 11):
         cache = model.init_cache(32, mesh=backend.mesh, kv_axis="kv", block=2)
         logits, cache = prefill(model, tokens[:n], cache, backend=backend)
@@ -291,10 +291,11 @@ def test_round_robin_decode_steps_match_one_full_pass(p, getkey):
         )
 
 
-@pytest.mark.parametrize("p", [2, 8])
-def test_round_robin_generate_gives_the_reference_tokens(p, getkey):
+@pytest.mark.parametrize("p, name", [(2, "tree"), (8, "tree"), (2, "ring")])
+def test_round_robin_generate_gives_the_reference_tokens(p, name, getkey):
     """Batched greedy generation with prompts of different lengths (left-padded) on a cache
-    sharded round-robin gives the tokens of the reference backend on one device."""
+    sharded round-robin gives the tokens of the reference backend on one device (tree, and
+    the ring baseline)."""
     model = model_of()
     lengths = (1, 4, 9)
     width = max(lengths)
@@ -302,5 +303,5 @@ def test_round_robin_generate_gives_the_reference_tokens(p, getkey):
     mask = jnp.arange(width)[None, :] >= width - jnp.asarray(lengths)[:, None]
     kw = dict(attention_mask=mask, max_new_tokens=6)
     expected = generate(model, prompts, backend="reference", **kw)
-    got = generate(model, prompts, backend=tree(p), **kw)
+    got = generate(model, prompts, backend=tree(p, name), **kw)
     np.testing.assert_array_equal(got, expected)

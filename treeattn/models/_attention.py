@@ -19,10 +19,10 @@ from .._numerics import Dims, Layout, Window, check_window, visibility
 from .._partials import Reduction
 from ..energy import Energy, Softmax
 from ._cache import KVCache
-from ._layers import RMSNorm, RotaryEmbedding
+from ._layers import RMSNorm, RotaryEmbedding, apply_linear
 
 
-AttentionPath = Literal["energy", "reference", "flash", "tree"]
+AttentionPath = Literal["energy", "reference", "flash", "tree", "ring"]
 """Where a layer's attention runs (see `AttentionBackend`)."""
 ATTENTION_PATHS: tuple[AttentionPath, ...] = get_args(AttentionPath)
 
@@ -32,12 +32,14 @@ class AttentionBackend:
     """Where attention runs (hashable: a static configuration).
 
     - `name`: `"energy"` (attention as `jax.grad` of the free energy), `"reference"` (its
-      twin, softmax written out), `"flash"` (`treeattn.decode.flash_attention`), or `"tree"`
-      (the KV cache sharded over `mesh` axis `kv_axis`, `treeattn.decode.tree_decode`).
-    - `kernel`: the `flash_attention` backend of `"flash"` and `"tree"`: a name, or an ordered
+      twin, softmax written out), `"flash"` (`treeattn.decode.flash_attention`), `"tree"`
+      (the KV cache sharded over `mesh` axis `kv_axis`, `treeattn.decode.tree_decode`), or
+      `"ring"` (the same sharded cache through the Ring Attention baseline,
+      `treeattn.decode.ring_decode`: p - 1 steps passing the shards around, for comparison).
+    - `kernel`: the `flash_attention` backend of `"flash"`, `"tree"` and `"ring"`: a name, or an ordered
       tuple of names of which the first that can serve a call runs — e.g. `("pallas", "auto")`:
       the Pallas decode kernel for decode steps, `"auto"` for prefill chunks.
-    - `mesh`, `kv_axis`, `reduction`: for `"tree"`.
+    - `mesh`, `kv_axis`, `reduction`: for `"tree"` (`"ring"` takes the mesh and axis).
     - `flash_backend` (the former spelling, still accepted): a kernel name `x` means
       `kernel=(x, "auto")`.
     """
@@ -61,8 +63,13 @@ class AttentionBackend:
             raise ValueError(
                 f"attention backend must be one of {ATTENTION_PATHS}, got {self.name!r}"
             )
-        if self.name == "tree" and (self.mesh is None or self.kv_axis is None):
-            raise ValueError("the 'tree' attention backend needs mesh= and kv_axis=")
+        if self.sharded and (self.mesh is None or self.kv_axis is None):
+            raise ValueError(f"the {self.name!r} attention backend needs mesh= and kv_axis=")
+
+    @property
+    def sharded(self) -> bool:
+        """The KV cache is sharded along the sequence over `mesh` (`"tree"` and `"ring"`)."""
+        return self.name in ("tree", "ring")
 
 
 def as_backend(backend, mesh=None, kv_axis=None) -> AttentionBackend:
@@ -183,7 +190,8 @@ def attend(
         return out[0]
     assert backend.mesh is not None and backend.kv_axis is not None
     per_shard = shard_lengths is not None
-    out = decode.tree_decode(
+    sharded_decode = decode.tree_decode if name == "tree" else decode.ring_decode
+    out = sharded_decode(
         q[None],
         k[None],
         v[None],
@@ -251,7 +259,7 @@ def _attend_energy(
         "energy": attention_energy,
         "local_window_size": local_window_size,
     }
-    if backend.name == "tree":
+    if backend.sharded:
         assert backend.mesh is not None and backend.kv_axis is not None
         return energy.tree_energy_attention(
             q, k, v, mesh=backend.mesh, kv_axis=backend.kv_axis, reduction=backend.reduction, **kw
@@ -264,13 +272,6 @@ def _tree_devices(backend: AttentionBackend) -> int:
     assert backend.mesh is not None and backend.kv_axis is not None
     axes = (backend.kv_axis,) if isinstance(backend.kv_axis, str) else backend.kv_axis
     return math.prod(backend.mesh.shape.get(a, 0) for a in axes)
-
-
-def linear(proj: eqx.nn.Linear, x: Array) -> Array:
-    """`proj` over the rows of `x` in the promotion of the weights' and the input's dtypes (the
-    dtype `eqx.nn.Linear` computes in under standard promotion), whatever the promotion mode."""
-    with jax.numpy_dtype_promotion("standard"):
-        return jax.vmap(proj)(x)
 
 
 class MultiheadAttention(eqx.Module):
@@ -424,7 +425,7 @@ class MultiheadAttention(eqx.Module):
         self.backend = as_backend(backend, mesh, kv_axis)
 
     def _project(self, proj, x, heads):
-        return linear(proj, x).reshape(x.shape[0], heads, -1)
+        return apply_linear(proj, x).reshape(x.shape[0], heads, -1)
 
     @jax.named_scope("treeattn.models.MultiheadAttention")
     def __call__(
@@ -533,7 +534,7 @@ class MultiheadAttention(eqx.Module):
             positions = fills = None
             if (
                 cache.devices > 1
-                and be.name == "tree"
+                and be.sharded
                 and _tree_devices(be) == cache.devices
                 and (q_seq == 1 or not self.causal)
                 and self.local_window_size is None
@@ -560,7 +561,7 @@ class MultiheadAttention(eqx.Module):
                 attention_energy=self.energy,
             )
         # In the heads' dtype (a cache may hold another), then projected as Equinox does.
-        out = linear(self.output_proj, attn.reshape(q_seq, -1).astype(heads_dtype))
+        out = apply_linear(self.output_proj, attn.reshape(q_seq, -1).astype(heads_dtype))
         return out if new_cache is None else (out, new_cache)
 
     def _attend_with_dropout(self, q, k, v, mask, q_offset, key, inference):

@@ -126,7 +126,7 @@ def generate(
     over rows). `temperature=0` is greedy decoding; otherwise a `key` is needed. With
     `backend="tree"` (and `mesh`, `kv_axis`), the cache is sharded along the sequence over the
     mesh axis, tokens are appended round-robin so the shards fill evenly, and attention is
-    `tree_decode`.
+    `tree_decode` (`"ring"`: `ring_decode`, the baseline).
 
     **Prompts of different lengths.** As with transformers, pad them to one length and pass
     `attention_mask` (`[batch, prompt]`, 1 or True for a prompt token, 0 for padding, on
@@ -167,8 +167,8 @@ def generate(
     lengths = _prompt_lengths(attention_mask, prompts.shape)
     n_prompt = prompts.shape[1]
     total = n_prompt + max_new_tokens
-    cache_mesh = be.mesh if be.name == "tree" else None
-    cache_axis = be.kv_axis if be.name == "tree" else None
+    cache_mesh = be.mesh if be.sharded else None
+    cache_axis = be.kv_axis if be.sharded else None
     if max_len is not None and max_len < 1:
         raise ValueError(f"generate: max_len must be at least 1, got {max_len}")
     # The cache's shapes without allocating it; then one cache per row, allocated in place

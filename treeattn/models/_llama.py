@@ -22,7 +22,7 @@ from ._attention import (
 )
 from ._cache import KVCache, remember, reserve
 from ._config import LlamaConfig
-from ._layers import RMSNorm, RotaryEmbedding, SwiGLU
+from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
 
 
 class DecoderBlock(eqx.Module):
@@ -262,9 +262,11 @@ class Transformer(eqx.Module):
                 new_cache = cache.with_layers(new_layers)
         x = self.norm(x)
         if self.lm_head is None:
-            logits = x @ self.embed_tokens.weight.T
+            with jax.numpy_dtype_promotion("standard"):
+                dtype = jnp.result_type(x, self.embed_tokens.weight)
+            logits = matmul(x.astype(dtype), self.embed_tokens.weight.T.astype(dtype))
         else:
-            logits = jax.vmap(self.lm_head)(x)
+            logits = apply_linear(self.lm_head, x)
         if cache is None or new_cache is None:
             return logits
         if cache.devices > 1:

@@ -1,0 +1,60 @@
+"""The model's matrix product: values, every transform, and no widened weights on CPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from treeattn.models._layers import matmul
+
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [(1,), (3,), (2, 1), ()])
+def test_matches_float64(rows, dtype, getkey):
+    x = jax.random.normal(getkey(), (*rows, 16), dtype)
+    w = jax.random.normal(getkey(), (16, 24), dtype)
+    got = matmul(x, w)
+    assert got.shape == (*rows, 24) and got.dtype == dtype
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_vmap_over_rows_and_over_weights(batch, getkey):
+    x = jax.random.normal(getkey(), (batch, 1, 8))
+    w = jax.random.normal(getkey(), (8, 5))
+    ws = jax.random.normal(getkey(), (batch, 8, 5))
+    np.testing.assert_allclose(jax.vmap(matmul, (0, None))(x, w), x @ w, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(matmul)(x, ws), x @ ws, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(matmul, (None, 0))(x[0], ws), x[0] @ ws, rtol=1e-6)
+    nested = jax.vmap(jax.vmap(matmul, (0, None)), (0, None))(x[None], w)
+    np.testing.assert_allclose(nested[0], x @ w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [(1,), (4,)])
+def test_derivatives(rows, getkey):
+    x = jax.random.normal(getkey(), (*rows, 6))
+    w = jax.random.normal(getkey(), (6, 3))
+    check_grads(matmul, (x, w), order=2, modes=["fwd", "rev"], rtol=1e-2)
+    batched = jax.vmap(matmul, (0, None))
+    check_grads(batched, (x[None].repeat(2, 0), w), order=1, modes=["fwd", "rev"], rtol=1e-2)
+
+
+@pytest.mark.parametrize("batch", [None, 1])
+def test_a_single_bfloat16_row_reads_the_weight_as_it_is(batch):
+    """XLA:CPU widens the whole weight to float32 for a one-row bfloat16 product (a copy of the
+    weight per call); the product is computed over two rows instead."""
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    w = jnp.ones((64, 128), jnp.bfloat16)
+    f = matmul if batch is None else jax.vmap(matmul, (0, None))
+    x = x if batch is None else x[None]
+    text = jax.jit(f).lower(x, w).compile().as_text()
+    widened = [line for line in text.splitlines() if re.search(r"f32\[64,128\]", line)]
+    assert widened == [], "\n".join(widened)
