@@ -107,13 +107,12 @@ def hf_model(model):
         return transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
 
-def hf_generators(hf, new: int, static: bool) -> dict:
-    """Greedy generation with transformers: `{"eager": fn}` (dynamic cache) and, with
-    `static`, `"static_compiled"` (a static cache with `torch.compile`), or the reason it
-    cannot run here in place of the function (a string)."""
+def hf_generators(hf, static: bool) -> dict:
+    """Greedy generation with transformers, `fn(ids, new)`: `{"eager": fn}` (dynamic cache)
+    and, with `static`, `"static_compiled"` (a static cache with `torch.compile`)."""
     import torch
 
-    def run(ids, model=hf, **kw):
+    def run(ids, new, model=hf, **kw):
         with torch.no_grad():
             # An explicit mask: without one, transformers masks every prompt token equal to
             # pad_token_id.
@@ -235,45 +234,56 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
     header = (
         f"{'batch':>5} {'treeattn tok/s':>15} "
         + " ".join(f"{'HF ' + k + ' tok/s':>24}" for k in kinds)
-        + f" {'vs fastest HF':>13} {'compile':>8} {'same tokens':>12}"
+        + f" {'vs fastest HF':>13} {'decode vs HF':>13} {'compile':>8} {'same tokens':>12}"
     )
     print(header)
     print("-" * len(header))
     rows, failures = [], {}
     n_prompt = prompts.shape[1]
-    gens = hf_generators(hf, new, args.static)
+    gens = hf_generators(hf, args.static)
     for batch in batches:
         p = jnp.asarray(prompts[:batch], jnp.int32)
         ids = torch.tensor(np.asarray(prompts[:batch]))
 
-        def ours(p=p):
+        def ours(p=p, new=new):
             return jax.block_until_ready(
                 generate(model, p, max_new_tokens=new, backend=args.backend)
             )
 
-        fns = {"treeattn": ours}
+        # Each generator also runs for one new token (the prefill and one step): the difference
+        # is the time of the other new - 1 decode steps.
+        fns = {"treeattn": ours, "treeattn/1": functools.partial(ours, new=1)}
         start = time.perf_counter()
         out = ours()  # compiles
         first = time.perf_counter() - start
+        ours(new=1)
         compile_hf = {}
         for kind in kinds:
-            run = functools.partial(gens[kind], ids)
-            warmed = warm(f"{kind}_batch{batch}", run, failures)
-            if warmed is not None:
-                fns[kind] = run
-                compile_hf[kind] = warmed[1]
+            for suffix, n in (("", new), ("/1", 1)):
+                run = functools.partial(gens[kind], ids, n)
+                warmed = warm(f"{kind}{suffix}_batch{batch}", run, failures)
+                if warmed is not None:
+                    fns[kind + suffix] = run
+                    compile_hf[kind + suffix] = warmed[1]
         medians = timed_rounds(fns, args.repeats)
         # Greedy tokens checked against the argmax of transformers' own full forward.
         with torch.no_grad():
             full = hf(torch.tensor(np.asarray(out))).logits[:, n_prompt - 1 : -1].argmax(-1)
         same = bool(np.array_equal(full.numpy(), np.asarray(out)[:, n_prompt:]))
-        rate = {k: batch * new / t for k, t in medians.items()}
+        names = ["treeattn", *(k for k in kinds if k in medians)]
+        rate = {k: batch * new / medians[k] for k in names}
+        # Decode only: the new - 1 steps after the first token (prefill excluded).
+        steps = {k: batch * (new - 1) / (medians[k] - medians[k + "/1"]) for k in names}
         fastest = max((rate[k] for k in kinds if k in rate), default=float("nan"))
+        fastest_steps = max((steps[k] for k in kinds if k in steps), default=float("nan"))
         row = {
             "batch": batch,
             "treeattn_tokens_per_s": rate["treeattn"],
             **{f"transformers_{k}_tokens_per_s": rate.get(k) for k in kinds},
             "ratio_vs_fastest_transformers": rate["treeattn"] / fastest,
+            "treeattn_decode_tokens_per_s": steps["treeattn"],
+            **{f"transformers_{k}_decode_tokens_per_s": steps.get(k) for k in kinds},
+            "decode_ratio_vs_fastest_transformers": steps["treeattn"] / fastest_steps,
             "compile_s": first - medians["treeattn"],
             "transformers_first_call_s": compile_hf,
             "identical_to_transformers_forward": same,
@@ -284,13 +294,17 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
         )
         print(
             f"{batch:>5} {rate['treeattn']:>15.1f} {cols} "
-            f"{row['ratio_vs_fastest_transformers']:>12.2f}x {row['compile_s']:>7.1f}s "
+            f"{row['ratio_vs_fastest_transformers']:>12.2f}x "
+            f"{row['decode_ratio_vs_fastest_transformers']:>12.2f}x {row['compile_s']:>7.1f}s "
             f"{str(same):>12}"
         )
     for k, why in failures.items():
         if not k.endswith("_traceback"):
             print(f"transformers {k}: {why}")
-    print("tokens/s count new tokens only (the prompt's prefill time included)")
+    print(
+        "tokens/s count new tokens (the prompt's prefill time included); 'decode' compares the "
+        "rate of the steps after the first new token"
+    )
     return rows, failures
 
 
