@@ -479,6 +479,7 @@ def floor(args) -> dict:
                 rows.append(row)
                 print(line)
                 del caches, runs, stream
+    plot_floor(rows)
     out: dict = {"config": str(config), "rows": rows}
     if args.hf:
         model = Transformer(config, key=jax.random.key(0))
@@ -493,6 +494,54 @@ def floor(args) -> dict:
         )
         out |= {"hf_prompt": n_prompt, "hf_new": new, "hf": hf_rows, "hf_failures": failures}
     return out
+
+
+def plot_floor(rows) -> None:
+    """Step time over the floor against context, per dtype and batch (and tree, ring)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    import pathlib
+
+    done = [r for r in rows if "step_s" in r]
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for dtype in sorted({r["dtype"] for r in done}):
+        for batch in sorted({r["batch"] for r in done}):
+            sel = sorted(
+                (r for r in done if r["dtype"] == dtype and r["batch"] == batch),
+                key=lambda r: r["context"],
+            )
+            style = "o-" if dtype == "float32" else "s--"
+            xs = [r["context"] for r in sel]
+            ax.plot(xs, [r["step_over_floor"] for r in sel], style, label=f"{dtype}, batch {batch}")
+            tree = [r for r in sel if "tree_s" in r]
+            if tree:
+                p = tree[0]["devices"]
+                ax.plot(
+                    [r["context"] for r in tree],
+                    [r["tree_over_floor"] for r in tree],
+                    style.replace("-", ":"),
+                    label=f"{dtype}, tree over {p} devices",
+                )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(1.3, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cached tokens")
+    ax.set_ylabel("decode step / memory floor")
+    ax.set_title("a model's decode step against reading it once")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = pathlib.Path(__file__).with_name("results") / "generate_floor.png"
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
