@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from test_energies import ENERGIES, HEADS, make_energy, mesh_of, reference
 from test_energy import TOL
 
@@ -85,7 +86,7 @@ def test_decode_step(case, p, kv_layout, getkey):
         assert ref.rel_err(out, want) <= TOL[jnp.float32], kind
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["softmax_softcap_alibi", "sigmoid_bias", "stick"])
 def test_causal_chunk_with_window(case, getkey):
     """A causal chunk of 3 queries at per-row offsets with a sliding window (positions are
     absolute on every shard), on 4 devices; the reference twin of flash_attention agrees."""
@@ -112,17 +113,18 @@ def round_robin(kv_seq, p):
 
 @pytest.mark.parametrize("case", CASES)
 def test_round_robin_cache(case, getkey):
-    """kv_positions of a round-robin cache over 4 shards: flash folds an ordered monoid in
-    position order (whatever slot holds a key); tree and ring give the same attention for
-    every energy whose monoid is commutative, and refuse the ordered one on 4 devices."""
+    """kv_positions of a round-robin cache over 4 shards, a causal chunk of 2 queries with a
+    window: flash folds an ordered monoid in position order (whatever slot holds a key); tree
+    and ring give the same attention for every energy whose monoid is commutative, and refuse
+    the ordered one on 4 devices."""
     q, k, v = make_cache(getkey, 2, 2, 16)
     lengths = np.array([9, 14])
     perm = round_robin(16, 4)
     ks, vs = k[:, perm], v[:, perm]  # slot s holds position perm[s]
-    want = expected(case, q, k, v, lengths, lengths - 2)
+    want = expected(case, q, k, v, lengths, lengths - 2, window=(6, 0))
     energy = make_energy(case)
     kw = {"kv_length": jnp.asarray(lengths), "causal": True, "kv_positions": jnp.asarray(perm)}
-    kw |= {"energy": energy}
+    kw |= {"energy": energy, "local_window_size": (6, 0)}
     out, _ = flash_attention(q, ks, vs, q_offset=jnp.asarray(lengths - 2), **kw)
     assert ref.rel_err(out, want) <= TOL[jnp.float32]
     if energy.monoid.commutative:
@@ -155,13 +157,15 @@ def test_shard_lengths(case, getkey):
         assert ref.rel_err(out, want) <= TOL[jnp.float32], kind
 
 
-@pytest.mark.parametrize("case", ["softmax_softcap_alibi", "stick"])
-def test_bfloat16(case, getkey):
+@pytest.mark.parametrize(
+    "case, kinds", [("softmax_softcap_alibi", ("flash", "tree")), ("stick", ("ring",))]
+)
+def test_bfloat16(case, kinds, getkey):
     q, k, v = make_cache(getkey, 2, 1, 16, jnp.bfloat16)
     lengths = np.array([12, 16])
     want = expected(case, q, k, v, lengths, lengths - 1)
     kw = {"kv_length": jnp.asarray(lengths), "causal": True, "energy": make_energy(case)}
-    for kind in ("flash", "tree", "ring"):
+    for kind in kinds:
         extra = {"q_offset": jnp.asarray(lengths - 1)} if kind == "flash" else {}
         out = jax.block_until_ready(decode(kind, 2, q, k, v, **kw, **extra))
         assert out.dtype == jnp.bfloat16
@@ -247,3 +251,20 @@ def test_errors(getkey):
     ):
         with pytest.raises(ValueError, match=f"reads the keys' positions \\({why}\\)"):
             tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", shard_lengths=fills, energy=energy)
+
+
+@pytest.mark.parametrize("reduction", ["butterfly", "hierarchical"])
+def test_every_schedule(reduction, getkey):
+    """tree_decode of every energy with the other reduction schedules (4 devices)."""
+    q, k, v = make_cache(getkey, 2, 1, 16)
+    lengths = np.array([6, 16])
+    if reduction == "hierarchical":
+        mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "local"))
+        tree = {"mesh": mesh, "kv_axis": ("node", "local")}
+    else:
+        tree = {"mesh": mesh_of(4), "kv_axis": "kv"}
+    for case in CASES:
+        kw = {"kv_length": jnp.asarray(lengths), "causal": True, "energy": make_energy(case)}
+        out = jax.block_until_ready(tree_decode(q, k, v, reduction=reduction, **tree, **kw))
+        want = expected(case, q, k, v, lengths, lengths - 1)
+        assert ref.rel_err(out, want) <= TOL[jnp.float32], case
