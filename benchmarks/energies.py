@@ -11,19 +11,26 @@ run. Targets: within 1.15x of the hand-written time and 1.05x of its FLOPs. With
 the compiled temporaries (`memory_analysis().temp_size_in_bytes`) of training through
 attention (forward + gradient in q, k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32,
 materialised vs blockwise (target: below 1 GiB; the logits alone are 8 GiB). With `--decode`:
-one decode step (a query against a cache of `--seq` keys) of each energy, `tree_energy_attention`
-over 8 simulated CPU devices against `energy_attention` on one (the energy package has no ring
-form of a general energy): time and compiled FLOPs.
+one decode step (a query per row against a cache of `--decode-seq` keys) of each energy,
+`tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8 simulated CPU devices and
+`flash_attention(energy=E)` on one: medians of interleaved runs (ratios within one run) and the
+bytes each device sends, read from the compiled HLO.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from _common import compile_and_time, machine, write_json
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from treeattn.decode import flash_attention, ring_decode, tree_decode
 from treeattn.energy import (
     LinearKernel,
     Sigmoid,
@@ -32,8 +39,8 @@ from treeattn.energy import (
     StickBreaking,
     elu_plus_one,
     energy_attention,
-    tree_energy_attention,
 )
+from treeattn.profiling import collective_stats
 
 
 TIME_TARGET = 1.15
@@ -115,33 +122,76 @@ def memory(seq: int, heads: int, dim: int, block_size: int | None, energy) -> fl
     return analysis.temp_size_in_bytes
 
 
+DECODE_ENERGIES = {"Softmax() (kernels)": Softmax(), **ENERGIES}
+
+
+def _interleaved(calls: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each compiled call, timed in turns (one of each per round), so that
+    the load of a shared machine falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(2):  # warm-up
+        for fn in calls.values():
+            jax.block_until_ready(fn())
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def decode_rows(args) -> list[dict]:
-    """One decode step per energy: tree over 8 devices vs unsharded (time, FLOPs)."""
-    p = 8
-    mesh = jax.make_mesh((p,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
-    kv = -(-args.seq // p) * p
+    """One decode step per energy over a cache sharded on p = 8 devices: `tree_decode` (the
+    monoid's states merge) vs `ring_decode` (the K/V shards travel) vs `flash_attention` on
+    one device — interleaved medians, and the bytes each device sends, from the compiled HLO."""
+    p, batch = 8, args.decode_batch
+    mesh = Mesh(np.array(jax.devices()[:p]), ("kv",))
+    n = -(-args.decode_seq // p) * p
     keys = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(keys[0], (1, args.heads, args.dim))
-    k, v = (jax.random.normal(kk, (kv, args.heads, args.dim)) for kk in keys[1:])
-    print(f"\none decode step against {kv} cached keys: tree over {p} devices vs unsharded")
-    print(f"{'energy':<20} {'unsharded':>10} {'tree':>9} {'GFLOP 1':>8} {'GFLOP tree':>10}")
+    q = jax.random.normal(keys[0], (batch, 1, args.heads, args.dim))
+    k, v = (jax.random.normal(kk, (batch, n, args.heads, args.dim)) for kk in keys[1:])
+    ks, vs = (jax.device_put(x, NamedSharding(mesh, P(None, "kv"))) for x in (k, v))
+    length = jnp.full((batch,), n, jnp.int32)
+    print(
+        f"\none decode step, batch {batch}, {n} cached keys, {args.heads} heads of {args.dim}, "
+        f"float32: tree vs ring over {p} devices, and one device; medians of {args.repeats} "
+        "interleaved runs; bytes each device sends (HLO, ring model for all-reduces)"
+    )
+    header = (
+        f"{'energy':<21} {'1 device':>9} {'tree':>9} {'ring':>9} {'ring/tree':>9} "
+        f"{'tree B/dev':>11} {'ring B/dev':>11} {'tree colls':>10}"
+    )
+    print(header)
+    print("-" * len(header))
     out = []
-    for name, energy in ENERGIES.items():
-
-        def one(q, k, v, energy=energy):
-            return energy_attention(q, k, v, q_offset=kv - 1, causal=True, energy=energy)
-
-        def tree(q, k, v, energy=energy):
-            return tree_energy_attention(
-                q, k, v, mesh=mesh, kv_axis="kv", q_offset=kv - 1, causal=True, energy=energy
-            )
-
-        a = compile_and_time(one, q, k, v, repeats=args.repeats)
-        b = compile_and_time(tree, q, k, v, repeats=args.repeats)
-        out.append({"energy": name, "devices": p, "kv": kv, "unsharded": a, "tree": b})
+    for name, energy in DECODE_ENERGIES.items():
+        kw = {"kv_length": length, "causal": True, "energy": energy}
+        sharded = {"mesh": mesh, "kv_axis": "kv", **kw}
+        fns = {
+            "unsharded": (
+                lambda q, k, v, kw=kw: flash_attention(q, k, v, q_offset=length - 1, **kw)[0],
+                (q, k, v),
+            ),
+            "tree": (lambda q, k, v, s=sharded: tree_decode(q, k, v, **s), (q, ks, vs)),
+            "ring": (lambda q, k, v, s=sharded: ring_decode(q, k, v, **s), (q, ks, vs)),
+        }
+        compiled, stats, calls = {}, {}, {}
+        for kind, (fn, a) in fns.items():
+            compiled[kind] = jax.jit(fn).lower(*a).compile()
+            stats[kind] = collective_stats(compiled[kind])
+            calls[kind] = functools.partial(compiled[kind], *a)
+        t = _interleaved(calls, args.repeats)
+        tree, ring = stats["tree"], stats["ring"]
+        row = {"energy": name, "devices": p, "batch": batch, "kv": n}
+        row |= {f"{kind}_s": t[kind] for kind in t}
+        row |= {"tree_bytes": tree.bytes_sent(), "ring_bytes": ring.bytes_sent()}
+        row |= {"tree_collectives": tree.summary(), "ring_collectives": ring.summary()}
+        out.append(row)
+        kinds = ", ".join(f"{v['count']} {kind}" for kind, v in tree.summary().items())
         print(
-            f"{name:<20} {a['median_s'] * 1e3:>8.2f}ms {b['median_s'] * 1e3:>7.2f}ms "
-            f"{a['flops'] / 1e9:>8.4f} {b['flops'] / 1e9:>10.4f}"
+            f"{name:<21} {t['unsharded'] * 1e3:>7.2f}ms {t['tree'] * 1e3:>7.2f}ms "
+            f"{t['ring'] * 1e3:>7.2f}ms {t['ring'] / t['tree']:>8.2f}x "
+            f"{tree.bytes_sent():>11.0f} {ring.bytes_sent():>11.0f} {kinds:>10}"
         )
     return out
 
@@ -154,12 +204,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="seq 256, 4 heads of 32")
     parser.add_argument("--memory", action="store_true", help="blockwise memory at 16K tokens")
-    parser.add_argument("--decode", action="store_true", help="tree (8 devices) vs unsharded")
+    parser.add_argument("--decode", action="store_true", help="tree vs ring (8 devices)")
+    parser.add_argument("--decode-seq", type=int, default=16384, help="cached keys (--decode)")
+    parser.add_argument("--decode-batch", type=int, default=4, help="batch rows (--decode)")
     args = parser.parse_args()
     if args.decode:  # before JAX starts its backends
         jax.config.update("jax_num_cpu_devices", 8)
     if args.quick:
         args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
+        args.decode_seq, args.decode_batch = 1024, 2
     print(f"machine: {machine()}")
     print(
         f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}, causal, float32; "

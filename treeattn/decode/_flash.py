@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, check_window, compute_dtype, default_scale
+from ..energy import Energy
 from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
+from ._energies import SOFTMAX, check_energy, check_general_call, energy_flash, is_fused
 from ._reference import reference_forward
 from ._registry import Backend, Choice, dispatch, kernel_call, resolve
 from ._xla import fused
@@ -36,6 +38,7 @@ def flash_attention(
     local_window_size: int | tuple[int, int] | None = None,
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    energy: Energy | None = SOFTMAX,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     r"""Fused attention of local keys, returning the output and its log-sum-exp.
 
@@ -78,6 +81,18 @@ def flash_attention(
     - `mask`: boolean, broadcastable to `[batch, heads, q_seq, kv_seq]`, True = attend; `bias`:
       added to the scaled logits, same shapes, differentiable. The `"xla"` and `"reference"`
       backends take them.
+    - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()` (None means the
+      same), served by the kernels above. Any other energy is served by its general path,
+      [`energy_partial`][treeattn.energy.energy_partial], every batch row under `vmap`: the
+      energy's logits (with absolute query and key positions: ALiBi), its monoid over the
+      visible keys (the same lengths, causality, window, mask and `kv_positions`; an ordered
+      monoid folds the keys in position order, whatever slots hold them), and
+      $o = \partial F/\partial\zeta|_0$. No kernel is fused for a general energy: `backend`
+      must allow `"auto"` or `"reference"` (others raise `BackendUnavailable` naming the
+      energy), `bias` is refused, `block_size` is unused (a row's logits are materialised).
+      The second result is then the energy's free energy at $\zeta = 0$ (the log-sum-exp
+      for softmax-like energies; partials of other energies merge with the energy's monoid,
+      not `merge_partials`).
 
     **Returns:** `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input dtype, `lse`
     float32 (float64 for float64 inputs) `[batch, q_seq, heads]` — the layout of
@@ -103,6 +118,18 @@ def flash_attention(
     mask = check_logits_operand(fn, "mask", mask, dims)
     bias = check_logits_operand(fn, "bias", bias, dims)
     positions = positions_per_row(kv_positions, dims)
+    energy = check_energy(fn, energy)
+    if not is_fused(energy):
+        check_general_call(fn, energy, backend, bias=bias)
+        offsets = per_row(q_offset, dims.batch, 0)
+        lengths = per_row(kv_length, dims.batch, dims.kv_seq)
+        if positions is None:
+            lengths = jnp.minimum(lengths, dims.kv_seq)
+        kw = {"dims": dims, "causal": causal, "window": window}
+        s = default_scale(dims.qk, scale)
+        # A traced negative length or offset sees no key / no earlier key, as for the kernels.
+        lengths = jnp.maximum(lengths, 0)
+        return energy_flash(energy, q, k, v, offsets, lengths, positions, mask, scale=s, **kw)
     call = kernel_call(
         dims,
         jnp.result_type(q),
@@ -229,9 +256,11 @@ def flash_attention_reference(
     local_window_size: int | tuple[int, int] | None = None,
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
+    energy: Energy | None = SOFTMAX,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     """The float32 twin of [`flash_attention`][treeattn.decode.flash_attention]: all logits
-    written out, plain `jnp`, differentiated by JAX; written independently of the kernels."""
+    written out, plain `jnp`, differentiated by JAX; written independently of the kernels.
+    With another `energy`, its general path (which is itself plain `jnp`)."""
     return flash_attention(
         q,
         k,
@@ -246,4 +275,5 @@ def flash_attention_reference(
         local_window_size=local_window_size,
         mask=mask,
         bias=bias,
+        energy=energy,
     )

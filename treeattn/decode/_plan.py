@@ -33,7 +33,8 @@ class DecodePlan:
     sharding: SequenceSharding
     dims: Dims  # of one shard
     causal: bool
-    kernel: Choice  # resolved for one shard, per lowering platform
+    kernel: Choice | None  # resolved for one shard, per lowering platform (None: an energy's
+    # general path serves the call)
     positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
     window: Window | None = None  # a sliding window by absolute position
     has_mask: bool = False  # a mask [batch, #heads, #q_seq, kv_seq], sharded with K/V
@@ -78,6 +79,7 @@ class DecodePlan:
         of every ring hop. Positions stay absolute (the window and causality hold across
         shards): the query offset is moved by the shard's first position."""
         q_off, kv_len = self.local_view(q_offset, kv_length, shard)
+        assert self.kernel is not None
         out, lse = run_kernel(
             self.kernel,
             q,
@@ -116,12 +118,13 @@ def plan_decode(
     mask=None,
     bias=None,
     shard_lengths=None,
+    kernel: bool = True,
 ):
     """Check the arguments, pad the cache (and the mask and bias) to a multiple of the device
     count if it must, and plan the call. Returns `(plan, q, k, v, q_offset[batch],
     kv_length[batch], positions, mask, bias)`; with `shard_lengths`, the lengths are
     `[batch, devices]` and the call is planned without causality (every query sees every
-    filled key)."""
+    filled key). `kernel=False` plans without a kernel (an energy's general path)."""
     dims = check_decode(
         fn,
         q,
@@ -155,7 +158,7 @@ def plan_decode(
             q_offset=q_offset,
             kv_positions=kv_positions,
         )
-        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias)
+        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias, kernel)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     positions = positions_per_row(kv_positions, dims)
     if positions is None:
@@ -178,21 +181,49 @@ def plan_decode(
         if bias is not None:
             bias = sharding.pad(bias, 3)
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
-    plan = _plan(fn, sharding, local, q, backend, causal, positions is not None, window, mask, bias)
+    positional = positions is not None
+    plan = _plan(
+        fn, sharding, local, q, backend, causal, positional, window, mask, bias, kernel=kernel
+    )
     return plan, q, k, v, offsets, lengths, positions, mask, bias
 
 
-def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias):
+def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias, kernel=True):
     """The plan of a call with per-shard fill lengths: each shard's kernel masks its slots by
     a length alone, which every fused kernel takes (no positions, no causal mask, no copy)."""
     lengths = jnp.maximum(fills, 0)  # a traced negative length sees no key
     local = dataclasses.replace(dims, kv_seq=dims.kv_seq // sharding.devices)
-    plan = _plan(fn, sharding, local, q, backend, False, False, None, mask, bias, per_shard=True)
+    plan = _plan(
+        fn,
+        sharding,
+        local,
+        q,
+        backend,
+        False,
+        False,
+        None,
+        mask,
+        bias,
+        per_shard=True,
+        kernel=kernel,
+    )
     return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None, mask, bias
 
 
 def _plan(
-    fn, sharding, local, q, backend, causal, positional, window, mask, bias, *, per_shard=False
+    fn,
+    sharding,
+    local,
+    q,
+    backend,
+    causal,
+    positional,
+    window,
+    mask,
+    bias,
+    *,
+    per_shard=False,
+    kernel=True,
 ) -> DecodePlan:
     """The plan of one shard's call (`local` its sizes), its kernel resolved per platform."""
     call = kernel_call(
@@ -210,7 +241,7 @@ def _plan(
         sharding,
         local,
         causal,
-        resolve(fn, backend, call),
+        resolve(fn, backend, call) if kernel else None,
         positional,
         window=window,
         has_mask=mask is not None,

@@ -17,6 +17,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_partials
+from .._sharding import SequenceSharding
+from ..energy import Energy
+from ._energies import SOFTMAX, check_energy, check_general_call, energy_sharded, is_fused
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -40,8 +43,9 @@ def ring_decode(
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
+    energy: Energy | None = SOFTMAX,
 ) -> Float[Array, "batch q_seq heads dv"]:
-    """The Ring Attention baseline: same arguments and result as
+    r"""The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
 
     Each of the p devices starts with its own shard; at every step it computes the local
@@ -49,10 +53,31 @@ def ring_decode(
     [`merge_partials`][treeattn.energy.merge_partials], and passes the shard to the next device
     (`lax.ppermute`), p - 1 times. `reduction` is accepted for a drop-in swap with
     `tree_decode` and ignored: the ring is the schedule.
+
+    With `energy` other than `Softmax()` (see `tree_decode`), each device lifts every shard
+    that passes to the energy's monoid state and folds the p states — by shard position for an
+    ordered monoid (stick-breaking) — then reads out $F$; the output is its gradient in
+    $\zeta$, complete on every device (no reduction). This is the baseline tree decoding of an
+    energy is measured against: it moves whole K/V shards where the tree moves states.
     """
     del reduction
+    fn = "ring_decode"
+    energy = check_energy(fn, energy)
+    general = not is_fused(energy)
+    if general:
+        devices = SequenceSharding.create(fn, mesh, kv_axis).devices
+        check_general_call(
+            fn,
+            energy,
+            backend,
+            bias=bias,
+            kv_positions=kv_positions,
+            shard_lengths=shard_lengths,
+            devices=devices,
+        )
+    kv_total = k.shape[1 if kv_layout == "bshd" else 2]
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
-        "ring_decode",
+        fn,
         q,
         k,
         v,
@@ -70,8 +95,12 @@ def ring_decode(
         mask=mask,
         bias=bias,
         shard_lengths=shard_lengths,
+        kernel=not general,
     )
     s = default_scale(plan.dims.qk, scale)
+    if general:
+        kw = {"scale": s, "reduction": "allreduce", "schedule": "ring", "kv_total": kv_total}
+        return energy_sharded(plan, energy, q, k, v, offsets, lengths, positions, mask, **kw)
     return _ring(plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s)
 
 

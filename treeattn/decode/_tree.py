@@ -16,8 +16,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
+from .._sharding import SequenceSharding
 from ..energy import Energy
-from ._energies import energy_tree_decode
+from ._energies import SOFTMAX, check_energy, check_general_call, energy_sharded, is_fused
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -41,7 +42,7 @@ def tree_decode(
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
-    energy: Energy | None = None,
+    energy: Energy | None = SOFTMAX,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -82,25 +83,40 @@ def tree_decode(
       Excludes `kv_length`, `q_offset` and `kv_positions`; `kv_seq` must divide by p. Values
       must lie in `[0, kv_seq / p]` (checked when concrete; traced ones are clipped).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
-    - `energy`: an [`Energy`][treeattn.energy.Energy] other than softmax (default None:
-      softmax through the kernels). It is served by
-      [`tree_energy_attention`][treeattn.energy.tree_energy_attention] row by row, with the
-      energy's monoid as the merge (`backend` and `kv_positions` do not apply).
+    - `energy`: the [`Energy`][treeattn.energy.Energy] (default `Softmax()`, through the
+      kernels; None means the same). Any other energy takes its general path
+      ([`energy_partial`][treeattn.energy.energy_partial], every batch row under `vmap`): each
+      shard's keys lift to the energy's monoid state, with absolute key positions (ALiBi) and
+      the same visibility (lengths, causality, window, mask, `kv_positions`), and the states
+      merge with the monoid's schedule for `reduction` — a log-sum-exp with a max and a sum, a
+      sum with one all-reduce, an ordered monoid (stick-breaking) with one all-gather folded
+      by shard position. `backend` must then allow `"auto"` or `"reference"`; `bias` is
+      refused (an energy's logits are its own). An ordered monoid on more than one device
+      refuses `kv_positions` (a round-robin cache's shards interleave, so no shard order is
+      the position order) and, like ALiBi, `shard_lengths` (no positions).
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
     caches in multiples of it.
 
     **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
     """
-    args = (q, k, v)
-    if energy is not None:
-        extra = {"local_window_size": local_window_size, "mask": mask, "bias": bias}
-        extra["shard_lengths"] = shard_lengths
-        given = [name for name, value in extra.items() if value is not None]
-        if given:
-            raise ValueError(f"tree_decode: {', '.join(given)} cannot be combined with energy=")
+    fn = "tree_decode"
+    energy = check_energy(fn, energy)
+    general = not is_fused(energy)
+    if general:
+        devices = SequenceSharding.create(fn, mesh, kv_axis).devices
+        check_general_call(
+            fn,
+            energy,
+            backend,
+            bias=bias,
+            kv_positions=kv_positions,
+            shard_lengths=shard_lengths,
+            devices=devices,
+        )
+    kv_total = k.shape[1 if kv_layout == "bshd" else 2]
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
-        "tree_decode",
+        fn,
         q,
         k,
         v,
@@ -118,11 +134,12 @@ def tree_decode(
         mask=mask,
         bias=bias,
         shard_lengths=shard_lengths,
+        kernel=not general,
     )
-    if energy is not None:
-        kw = {"kv_length": kv_length, "scale": scale, "reduction": reduction, "causal": causal}
-        kw |= {"kv_layout": kv_layout, "q_offset": q_offset, "kv_positions": kv_positions}
-        return energy_tree_decode("tree_decode", energy, *args, mesh=mesh, kv_axis=kv_axis, **kw)
+    if general:
+        s = default_scale(plan.dims.qk, scale)
+        kw = {"scale": s, "reduction": reduction, "schedule": "tree", "kv_total": kv_total}
+        return energy_sharded(plan, energy, q, k, v, offsets, lengths, positions, mask, **kw)
     s = default_scale(plan.dims.qk, scale)
     return _tree(
         plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s, reduction=reduction

@@ -38,6 +38,7 @@ from ._on_mesh import (
     tree_energy_attention as tree_energy_attention,
     tree_free_energy as tree_free_energy,
 )
+from ._partial import energy_partial as energy_partial
 from ._sharded import (
     sharded_energy_attention as sharded_energy_attention,
     sharded_free_energy as sharded_free_energy,

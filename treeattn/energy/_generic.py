@@ -24,6 +24,7 @@ from jaxtyping import Array
 
 from .._numerics import (
     Dims,
+    Window,
     compute_dtype,
     default_scale,
     lse_from_rows,
@@ -136,17 +137,27 @@ def _zero_cotangent(x):
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def sharded_forward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset):
-    """F `[q_seq, heads]` of the whole sequence on every device, and what its gradient keeps."""
+def sharded_context(cfg: Sharded, q_offset, kv_offset, kv_pos=None) -> Context:
+    """The context of this device's keys: at `kv_offset + a`, or at the absolute positions
+    `kv_pos[a]` when given (a cache not stored in position order); `kv_offset` is then only
+    the rank an ordered monoid folds the devices by."""
     ctx = make_context(cfg.local, cfg.scale, q_offset, kv_offset, cfg.kv_total)
+    return ctx if kv_pos is None else ctx._replace(k_pos=jnp.asarray(kv_pos).astype(jnp.int32))
+
+
+def sharded_forward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos=None):
+    """F `[q_seq, heads]` of the whole sequence on every device, and what its gradient keeps."""
+    ctx = sharded_context(cfg, q_offset, kv_offset, kv_pos)
     state = local_state(energy, q, k, v, zeta, vis, ctx, cfg.at_zero)
     merged, residual = energy.monoid.across(state, cfg.axis_name, cfg.reduction, kv_offset)
     return readout(energy, merged, ctx), (state, merged, residual)
 
 
-def sharded_backward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct):
+def sharded_backward(
+    cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct, kv_pos=None
+):
     """Cotangents of (energy, q, k, v, zeta): one reduction, of the replicated ones."""
-    ctx = make_context(cfg.local, cfg.scale, q_offset, kv_offset, cfg.kv_total)
+    ctx = sharded_context(cfg, q_offset, kv_offset, kv_pos)
     state, merged, residual = saved
     _, pull_readout = jax.vjp(lambda e, m: readout(e, m, ctx), energy, merged)
     d_energy_once, d_merged = pull_readout(ct)
@@ -174,19 +185,21 @@ def sharded_backward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def sharded_terms(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset):
-    return sharded_forward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset)[0]
+def sharded_terms(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos=None):
+    return sharded_forward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos)[0]
 
 
-def _sharded_terms_fwd(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset):
-    f, saved = sharded_forward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset)
-    return f, (energy, q, k, v, zeta, vis, q_offset, kv_offset, saved)
+def _sharded_terms_fwd(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos=None):
+    f, saved = sharded_forward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos)
+    return f, (energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos, saved)
 
 
 def _sharded_terms_bwd(cfg, res, ct):
-    energy, q, k, v, zeta, vis, q_offset, kv_offset, saved = res
-    grads = sharded_backward(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct)
-    return (*grads, *map(_zero_cotangent, (vis, q_offset, kv_offset)))
+    energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos, saved = res
+    grads = sharded_backward(
+        cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct, kv_pos
+    )
+    return (*grads, *map(_zero_cotangent, (vis, q_offset, kv_offset, kv_pos)))
 
 
 sharded_terms.defvjp(_sharded_terms_fwd, _sharded_terms_bwd)
@@ -224,6 +237,7 @@ class OnMesh:
     cfg: Sharded
     causal: bool
     has_mask: bool
+    window: Window | None = None  # a sliding window by absolute position
 
     def specs(self, mask_ndim: int):
         seq = self.sharding.spec(3, 0)
@@ -240,6 +254,7 @@ class OnMesh:
             mask=a.get("mask"),
             q_offset=a["q_offset"],
             kv_offset=kv_offset,
+            window=self.window,
         )
         return (a["q"], a["k"], a["v"], a["zeta"], vis, a["q_offset"], kv_offset)
 
@@ -317,6 +332,7 @@ def on_mesh_plan(
     reduction,
     at_zero,
     has_mask,
+    window: Window | None = None,
 ) -> OnMesh:
     cfg = Sharded(local, scale, kv_total, sharding.axis_name, reduction, at_zero)
-    return OnMesh(sharding, cfg, causal, has_mask)
+    return OnMesh(sharding, cfg, causal, has_mask, window)

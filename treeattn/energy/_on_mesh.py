@@ -209,18 +209,14 @@ def tree_free_energy(
     if not is_plain_softmax(energy):
         from ._generic import mesh_total
 
-        return mesh_total(_generic_plan(plan, k, args, "tree_free_energy", energy), energy, args)
+        return mesh_total(_generic_plan(plan, k, args), energy, args)
     return _energy(plan, args)
 
 
-def _generic_plan(plan: _OnMesh, k, args: dict, fn: str, energy):
+def _generic_plan(plan: _OnMesh, k, args: dict):
+    """The plan of the energy's general path; the window applies by absolute position on
+    every shard, as for softmax."""
     from ._generic import on_mesh_plan
-
-    if plan.window is not None:
-        raise ValueError(
-            f"{fn}: local_window_size={plan.window} is not supported with "
-            f"energy={type(energy).__name__}(...) on a mesh; use sharded_* with a mask"
-        )
 
     return on_mesh_plan(
         plan.sharding,
@@ -231,6 +227,7 @@ def _generic_plan(plan: _OnMesh, k, args: dict, fn: str, energy):
         plan.reduction,
         plan.zeta_at_zero,
         "mask" in args,
+        plan.window,
     )
 
 
@@ -284,9 +281,7 @@ def tree_energy_attention(
     if not is_plain_softmax(energy):
         from ._generic import mesh_attention
 
-        return mesh_attention(
-            _generic_plan(plan, k, args, "tree_energy_attention", energy), energy, args
-        ).astype(q.dtype)
+        return mesh_attention(_generic_plan(plan, k, args), energy, args).astype(q.dtype)
     return _attention(plan, args).astype(q.dtype)
 
 
