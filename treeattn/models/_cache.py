@@ -253,7 +253,8 @@ class LinearCache(eqx.Module):
     It has the interface of a model's `KVCache` — `length` (the tokens absorbed, which set the
     positions of the next ones), `layers`, `layer(i)`, `with_layers(...)`, `max_len` — so
     `prefill`, `decode_step` and `generate` take either. `max_len` bounds the positions as for
-    a `KVCache` (the same overflow checks); the state does not grow with it.
+    a `KVCache` (they refuse to pass it, on the host, before running); the state does not grow
+    with it, and inside a program nothing is lost past it.
 
     `stop[*batch]`: tokens at positions `>= stop` are not absorbed (the padding after a
     shorter prompt of a batch, which a `KVCache` overwrites later but a sum cannot forget);
