@@ -4,6 +4,7 @@
     python benchmarks/energies.py --quick    # a small shape, for a smoke run
     python benchmarks/energies.py --memory   # also: blockwise memory at 16,384 tokens
     python benchmarks/energies.py --decode   # also: one decode step, tree on 8 devices
+    python benchmarks/energies.py --linear   # also: a LinearKernel model's decode step, 1K vs 32K
 
 Per energy: run time and compiled FLOPs of `energy_attention(..., energy=E)` against the
 attention of that energy written out in jnp (materialised weights times V), timed in the same
@@ -14,12 +15,15 @@ materialised vs blockwise (target: below 1 GiB; the logits alone are 8 GiB). Wit
 one decode step (a query per row against a cache of `--decode-seq` keys) of each energy,
 `tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8 simulated CPU devices and
 `flash_attention(energy=E)` on one: medians of interleaved runs (ratios within one run) and the
-bytes each device sends, read from the compiled HLO.
+bytes each device sends, read from the compiled HLO. With `--linear`: the decode step of a
+small LinearKernel decoder at a context of 1K and of 32K tokens, against its linear state
+(`LinearCache`, constant size) and against a KV cache of the same energy (`linear_state=False`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -40,6 +44,7 @@ from treeattn.energy import (
     elu_plus_one,
     energy_attention,
 )
+from treeattn.models import LlamaConfig, Transformer, decode_step
 from treeattn.profiling import collective_stats
 
 
@@ -196,6 +201,57 @@ def decode_rows(args) -> list[dict]:
     return out
 
 
+def linear_decode_rows(args, contexts=(1024, 32768)) -> list[dict]:
+    """A LinearKernel model's decode step (donated cache, `treeattn.models.decode_step`) at
+    each context: against its linear state and against a KV cache. A step's cost does not
+    depend on what the cache holds, so the caches are empty ones with their length set."""
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=max(contexts) + 64,
+    )
+    model = Transformer(config, energy=LinearKernel(), key=jax.random.key(0)).unstack_layers()
+    steps = 2 + args.repeats
+    print(
+        f"\ndecode step of a {config.num_hidden_layers} x {config.hidden_size} LinearKernel "
+        f"decoder (8 heads over 2 kv heads of 64), float32; median of {args.repeats} steps"
+    )
+    print(
+        f"{'context':>8} {'linear state':>13} {'KV cache':>10} {'state bytes':>12} {'KV bytes':>12}"
+    )
+    out = []
+    for ctx in contexts:
+        row: dict = {"context": ctx}
+        for name, linear in (("state", True), ("kv", False)):
+            cache = model.init_cache(ctx + steps, linear_state=linear)
+            cache = dataclasses.replace(cache, length=jnp.asarray(ctx - 1, jnp.int32))
+            row[f"{name}_bytes"] = sum(x.nbytes for x in jax.tree.leaves(cache))
+            token = jnp.asarray(1, jnp.int32)
+            start = time.perf_counter()
+            logits, cache = decode_step(model, token, cache)  # compiles
+            jax.block_until_ready(logits)
+            row[f"{name}_compile_s"] = time.perf_counter() - start
+            logits, cache = decode_step(model, token, cache)
+            jax.block_until_ready(logits)
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                logits, cache = decode_step(model, token, cache)
+                jax.block_until_ready(logits)
+                times.append(time.perf_counter() - start)
+            row[f"{name}_median_s"] = statistics.median(times)
+        out.append(row)
+        print(
+            f"{ctx:>8} {row['state_median_s'] * 1e3:>11.2f}ms {row['kv_median_s'] * 1e3:>8.2f}ms "
+            f"{row['state_bytes'] / 2**20:>10.2f}MB {row['kv_bytes'] / 2**20:>10.1f}MB"
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
@@ -207,6 +263,12 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="tree vs ring (8 devices)")
     parser.add_argument("--decode-seq", type=int, default=16384, help="cached keys (--decode)")
     parser.add_argument("--decode-batch", type=int, default=4, help="batch rows (--decode)")
+    parser.add_argument(
+        "--linear", action="store_true", help="LinearKernel decode step at 1K and 32K context"
+    )
+    parser.add_argument(
+        "--linear-only", action="store_true", help="only the LinearKernel decode step"
+    )
     args = parser.parse_args()
     if args.decode:  # before JAX starts its backends
         jax.config.update("jax_num_cpu_devices", 8)
@@ -214,6 +276,10 @@ def main() -> None:
         args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
         args.decode_seq, args.decode_batch = 1024, 2
     print(f"machine: {machine()}")
+    if args.linear_only:
+        lin = linear_decode_rows(args)
+        print(f"\nwrote {write_json('energies_linear', {'machine': machine(), 'linear': lin})}")
+        return
     print(
         f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}, causal, float32; "
         f"medians of {args.repeats} runs after warm-up\n"
@@ -260,6 +326,7 @@ def main() -> None:
     dec = decode_rows(args) if args.decode else []
     payload = {"machine": machine(), "args": vars(args), "rows": rows, "memory": mem}
     payload["decode"] = dec
+    payload["linear"] = linear_decode_rows(args) if args.linear else []
     print(f"\nwrote {write_json('energies', payload)}")
 
 

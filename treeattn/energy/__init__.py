@@ -33,6 +33,7 @@ from ._likelihood import (
     log_likelihood as log_likelihood,
     tilted_source as tilted_source,
 )
+from ._linear_state import LinearState as LinearState
 from ._moments import value_covariance as value_covariance, value_moments as value_moments
 from ._on_mesh import (
     tree_energy_attention as tree_energy_attention,

@@ -5,7 +5,7 @@ from ._attention import (
     MultiheadAttention as MultiheadAttention,
     attend as attend,
 )
-from ._cache import KVCache as KVCache
+from ._cache import KVCache as KVCache, LinearCache as LinearCache
 from ._config import LlamaConfig as LlamaConfig
 from ._data import (
     CHECKPOINTS as CHECKPOINTS,

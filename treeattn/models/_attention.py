@@ -11,14 +11,26 @@ from typing import Literal, get_args
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import decode, energy
-from .._numerics import Dims, Layout, Window, check_window, visibility
+from .._numerics import (
+    Dims,
+    Layout,
+    Window,
+    check_window,
+    compute_dtype,
+    default_scale,
+    from_rows,
+    rows_visibility,
+    to_rows,
+    visibility,
+)
 from .._partials import Reduction
-from ..energy import Energy, Softmax
-from ._cache import KVCache
+from ..energy import Context, Energy, LinearKernel, Softmax
+from ._cache import Cache, KVCache, LinearCache
 from ._layers import RMSNorm, RotaryEmbedding, apply_linear
 
 
@@ -36,8 +48,9 @@ class AttentionBackend:
       (the KV cache sharded over `mesh` axis `kv_axis`, `treeattn.decode.tree_decode`), or
       `"ring"` (the same sharded cache through the Ring Attention baseline,
       `treeattn.decode.ring_decode`: p - 1 steps passing the shards around, for comparison).
-    - `kernel`: the `flash_attention` backend of `"flash"`, `"tree"` and `"ring"`: a name, or an ordered
-      tuple of names of which the first that can serve a call runs — e.g. `("pallas", "auto")`:
+    - `kernel`: the `flash_attention` backend of `"flash"`, `"tree"` and `"ring"`: a name, or
+      an ordered tuple of names of which the first that can serve a call runs — e.g.
+      `("pallas", "auto")`:
       the Pallas decode kernel for decode steps, `"auto"` for prefill chunks.
     - `mesh`, `kv_axis`, `reduction`: for `"tree"` (`"ring"` takes the mesh and axis).
     - `flash_backend` (the former spelling, still accepted): a kernel name `x` means
@@ -78,12 +91,16 @@ def as_backend(backend, mesh=None, kv_axis=None) -> AttentionBackend:
     return AttentionBackend(name=backend, mesh=mesh, kv_axis=kv_axis)
 
 
-def cache_layout(backend: AttentionBackend) -> Layout:
+def cache_layout(backend: AttentionBackend, attention_energy: Energy | None = None) -> Layout:
     """The cache layout `backend` reads where it lies: `"bshd"` for `"energy"` and
     `"reference"` (their matrix products take `[kv, kv_heads, d]`) and for the fused GPU kernels
     (cuDNN, flash-attn and Pallas take `[batch, seq, kv_heads, d]`; a head-major cache would be
     transposed in full on every step); head-major `"bhsd"` for the fused kernels on CPU, which
-    stream it at memory speed."""
+    stream it at memory speed. With another energy than `Softmax()`: head-major `"bhsd"`,
+    which its batched (per kv head) matrix products read in place, except on `"tree"` and
+    `"ring"`, whose `tree_energy_attention` takes `[kv, kv_heads, d]` shards."""
+    if not is_default_energy(attention_energy):
+        return "bshd" if backend.sharded else "bhsd"
     if backend.name in ("energy", "reference") or jax.default_backend() == "gpu":
         return "bshd"
     return "bhsd"
@@ -222,6 +239,20 @@ def is_default_energy(e: Energy | None) -> bool:
     )
 
 
+IN_PLACE_LOGITS = 1 << 24
+"""Logits (heads x queries x cache slots) up to which a call with a cache reads it in place
+(every decode step); a longer prefill chunk goes through `energy_attention`, blockwise."""
+
+
+def position_free(e: Energy) -> bool:
+    """The energy's logits do not depend on the absolute positions of the keys (no ALiBi, no
+    logits of a user's energy, which may read them)."""
+    logits = type(e).logits
+    if logits is Energy.logits or logits is LinearKernel.logits:
+        return True
+    return logits is Softmax.logits and getattr(e, "alibi_slopes", None) is None
+
+
 def _attend_energy(
     q,
     k,
@@ -237,34 +268,158 @@ def _attend_energy(
     attention_energy,
     local_window_size=None,
 ):
-    """Attention of any energy through `treeattn.energy`: `energy_attention(energy=...)` for
-    `"energy"`, `"reference"` and `"flash"` (there is no fused kernel of a general energy), and
-    `tree_energy_attention(energy=...)` over `backend.mesh` for `"tree"`. The keys are first put
-    in position order (a round-robin cache holds them permuted; an ordered monoid such as
-    stick-breaking and position-dependent logits such as ALiBi need slot = position), and the
-    unfilled slots masked."""
+    """Attention of any energy over a KV cache or a sequence of keys.
+
+    - A cache on `"energy"`, `"reference"` or `"flash"` (there is no fused kernel of a
+      general energy) is read where it lies (`_energy_in_place`): its unfilled slots, the keys
+      after a query and outside its window are masked, a cache sharded round-robin gives each
+      slot's position to the energy's context (its logits see true positions) — no copy and no
+      gather. Only an ordered monoid (stick-breaking) over a round-robin cache, whose keys are
+      not in position order, gathers them into order first.
+    - On `"tree"` and `"ring"`, `tree_energy_attention(energy=...)` over `backend.mesh`; a
+      round-robin cache is passed as it lies with a mask from its positions, when the energy's
+      monoid is commutative and its logits do not depend on positions; otherwise gathered into
+      order.
+    - Otherwise (no cache, or a long prefill chunk) `energy_attention(energy=...)`.
+    """
+    kv_seq = k.shape[0] if kv_layout == "bshd" else k.shape[1]
+    heads, q_seq = q.shape[1], q.shape[0]
+    commutative = attention_energy.monoid.commutative
+    if (
+        kv_length is not None
+        and not backend.sharded
+        and heads * q_seq * kv_seq <= IN_PLACE_LOGITS
+        and (kv_positions is None or commutative)
+    ):
+        return _energy_in_place(
+            q,
+            k,
+            v,
+            kv_layout=kv_layout,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            causal=causal,
+            mask=mask,
+            kv_positions=kv_positions,
+            attention_energy=attention_energy,
+            local_window_size=local_window_size,
+        )
     if kv_layout == "bhsd":
         k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
-    if kv_positions is not None:  # a permutation of the slots: put slot a at position a
-        order = jnp.argsort(kv_positions)
-        k, v = k[order], v[order]
-    kv_seq = k.shape[0]
-    if kv_length is not None:
-        filled = jnp.broadcast_to(jnp.arange(kv_seq) < kv_length, (q.shape[0], kv_seq))
-        mask = filled if mask is None else jnp.logical_and(mask, filled)
-    kw = {
-        "causal": causal,
-        "mask": mask,
-        "q_offset": q_offset,
-        "energy": attention_energy,
-        "local_window_size": local_window_size,
-    }
+    kw = {"energy": attention_energy}
+    if kv_positions is not None and commutative and position_free(attention_energy):
+        # Order does not matter: the slots are read as they lie, a mask says which are seen.
+        dims = Dims(q_seq, kv_seq, heads, k.shape[1], q.shape[-1], v.shape[-1])
+        vis = visibility(
+            dims,
+            causal=causal,
+            q_offset=q_offset,
+            kv_positions=kv_positions,
+            kv_length=kv_length,
+            mask=mask,
+            window=local_window_size,
+        )
+        assert vis is not None  # kv_length or positions are always given here
+        kw.update(mask=_energy_mask(vis, dims), causal=False, q_offset=q_offset)
+    else:
+        if kv_positions is not None:  # a permutation of the slots: put slot a at position a
+            order = jnp.argsort(kv_positions)
+            k, v = k[order], v[order]
+        if kv_length is not None:
+            filled = jnp.broadcast_to(jnp.arange(kv_seq) < kv_length, (q_seq, kv_seq))
+            mask = filled if mask is None else jnp.logical_and(mask, filled)
+        kw.update(causal=causal, mask=mask, q_offset=q_offset, local_window_size=local_window_size)
     if backend.sharded:
         assert backend.mesh is not None and backend.kv_axis is not None
         return energy.tree_energy_attention(
             q, k, v, mesh=backend.mesh, kv_axis=backend.kv_axis, reduction=backend.reduction, **kw
         )
     return energy.energy_attention(q, k, v, **kw)
+
+
+def _energy_mask(vis, dims: Dims):
+    """`visibility`'s `[#kv_heads, #group, #q_seq, kv]` as the energy functions' mask,
+    `[q_seq, kv]` or `[heads, q_seq, kv]`."""
+    if vis.shape[0] > 1 or vis.shape[1] > 1:
+        full = jnp.broadcast_to(vis, (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq))
+        return full.reshape(dims.heads, dims.q_seq, dims.kv_seq)
+    return jnp.broadcast_to(vis[0, 0], (dims.q_seq, dims.kv_seq))
+
+
+def _energy_in_place(
+    q,
+    k,
+    v,
+    *,
+    kv_layout,
+    kv_length,
+    q_offset,
+    causal,
+    mask,
+    kv_positions,
+    attention_energy,
+    local_window_size,
+):
+    r"""Attention of any energy over a KV cache where it lies: $\partial F/\partial\zeta$ at 0
+    of the energy's free energy over the visible slots, per kv head one batched product for
+    the logits and one for the values, read from the head-major cache without a copy (a
+    `"bshd"` cache is transposed by the products). The energy's context gives each slot its
+    position (`kv_positions`, or the slot), so position-dependent logits (ALiBi) are right in
+    a round-robin cache; its keys are reduced in slot order, which is position order unless the
+    cache is round-robin (then only commutative monoids come here). Values of slots no query
+    sees are not zeroed: a cache's unfilled slots hold zeros, never NaN."""
+    e = attention_energy
+    if kv_layout == "bhsd":
+        k_logits, v_heads = jnp.swapaxes(k, 0, 1), v  # a transpose folded into the product
+    else:
+        k_logits, v_heads = k, jnp.swapaxes(v, 0, 1)
+    kv_seq, kv_heads = k_logits.shape[0], k_logits.shape[1]
+    q_seq, heads = q.shape[0], q.shape[1]
+    dims = Dims(q_seq, kv_seq, heads, kv_heads, q.shape[-1], v.shape[-1])
+    vis = visibility(
+        dims,
+        causal=causal,
+        q_offset=q_offset,
+        kv_positions=kv_positions,
+        kv_length=kv_length,
+        mask=mask,
+        window=local_window_size,
+    )
+    vis_rows = rows_visibility(vis, dims)
+    ct = compute_dtype(q.dtype)
+    q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_seq, dtype=jnp.int32)
+    k_pos = (
+        jnp.arange(kv_seq, dtype=jnp.int32)
+        if kv_positions is None
+        else jnp.asarray(kv_positions, jnp.int32)
+    )
+    group_of_row = np.arange(dims.rows) // max(q_seq, 1)
+    head = np.arange(kv_heads)[:, None] * dims.group + group_of_row[None, :]
+    ctx = Context(
+        dims, default_scale(dims.qk, None), jnp.tile(q_pos, dims.group), k_pos, head, kv_seq
+    )
+    qr = to_rows(q.astype(ct), dims)
+    k_logits, v_heads = k_logits.astype(ct), v_heads.astype(ct)
+
+    def total(zeta):
+        x = e.logits(qr, k_logits, ctx)
+        if vis_rows is not None:
+            x = jnp.where(vis_rows, x, jnp.zeros((), x.dtype))
+        # At zeta = 0 the tilt is 0 (XLA folds the product away); its gradient reads V once.
+        tilt = jnp.einsum("kmd,ksd->kms", zeta, v_heads)
+        state = e.monoid.lift(e.elements(x, tilt, ctx), vis_rows)
+        once = e.once(ctx)
+        if once is not None:  # a sink: once per query row
+            once = jax.tree.map(
+                lambda o, s: jnp.broadcast_to(o, s.shape).astype(s.dtype), once, state
+            )
+            state = e.monoid.combine(once, state)
+        return jnp.sum(e.readout(state, ctx))
+
+    zeta = jnp.zeros((kv_heads, dims.rows, dims.dv), ct)
+    with jax.named_scope("energy_over_cache"):
+        out = jax.grad(total)(zeta)
+    return from_rows(out, dims).astype(q.dtype)
 
 
 def _tree_devices(backend: AttentionBackend) -> int:
@@ -439,13 +594,16 @@ class MultiheadAttention(eqx.Module):
         inference: bool | None = None,
         deterministic: bool | None = None,
         process_heads: Callable | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         backend: str | AttentionBackend | None = None,
-    ) -> Float[Array, "q_seq o_size"] | tuple[Float[Array, "q_seq o_size"], KVCache]:
+    ) -> Float[Array, "q_seq o_size"] | tuple[Float[Array, "q_seq o_size"], Cache]:
         """**Arguments:** as `equinox.nn.MultiheadAttention.__call__` (`query`, `key_`, `value`,
         `mask`, `key`, `inference`, `deterministic`, `process_heads`), plus `cache` (the KV cache
         of this layer: the new keys and values are appended, and attention runs over all cached
-        tokens, the queries at the positions after them) and `backend` (overrides the layer's).
+        tokens, the queries at the positions after them; or, with a `LinearKernel` energy, a
+        `LinearCache`: the new keys are added to its linear state, which the queries attend
+        to in constant time) and `backend` (overrides the layer's; a linear state runs the same
+        on every backend).
 
         **Returns:** `[q_seq, output_size]`, or `(output, new_cache)` when `cache` is given.
         """
@@ -499,6 +657,14 @@ class MultiheadAttention(eqx.Module):
                 f"MultiheadAttention: attention dropout forms softmax weights; it cannot be "
                 f"combined with energy={type(self.energy).__name__}(...) (set dropout_p=0)"
             )
+        if cache is not None:
+            if dropout_on:
+                raise ValueError("attention dropout is for training, not for a KV cache")
+            if mask is not None:
+                raise ValueError(
+                    "MultiheadAttention: mask= cannot be combined with cache= (with a cache, "
+                    "keys are masked by the filled length and, if causal, by position)"
+                )
         if cache is None:
             if dropout_on:
                 attn = self._attend_with_dropout(q, k, v, mask, q_offset, key, inference)
@@ -520,14 +686,9 @@ class MultiheadAttention(eqx.Module):
                     attention_energy=self.energy,
                 )
             new_cache = None
+        elif isinstance(cache, LinearCache):
+            attn, new_cache = self._attend_linear_state(q, k, v, cache)
         else:
-            if dropout_on:
-                raise ValueError("attention dropout is for training, not for a KV cache")
-            if mask is not None:
-                raise ValueError(
-                    "MultiheadAttention: mask= cannot be combined with cache= (with a cache, "
-                    "keys are masked by the filled length and, if causal, by position)"
-                )
             new_cache = cache.append(k, v)
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
@@ -563,6 +724,80 @@ class MultiheadAttention(eqx.Module):
         # In the heads' dtype (a cache may hold another), then projected as Equinox does.
         out = apply_linear(self.output_proj, attn.reshape(q_seq, -1).astype(heads_dtype))
         return out if new_cache is None else (out, new_cache)
+
+    @property
+    def uses_linear_state(self) -> bool:
+        """Whether a [`LinearCache`][treeattn.models.LinearCache] can serve this layer: its
+        energy is a `LinearKernel` and it has no sliding window (a sum over every past key
+        cannot forget the keys that leave a window)."""
+        return isinstance(self.energy, LinearKernel) and self.local_window_size is None
+
+    def init_cache(
+        self, max_len: int, *, dtype=None, linear_state: bool | None = None, **kwargs
+    ) -> Cache:
+        """An empty cache for this layer: a `LinearCache` when `uses_linear_state` (unless
+        `linear_state=False`), else a `KVCache` (`kwargs` go to `KVCache.create`: `mesh`,
+        `kv_axis`, `block`, `layout`, `batch`). `dtype` defaults to the query projection's."""
+        dtype = dtype or self.query_proj.weight.dtype
+        if linear_state is None:
+            linear_state = self.uses_linear_state
+        if linear_state:
+            if not self.uses_linear_state:
+                raise ValueError(
+                    "MultiheadAttention.init_cache: linear_state=True needs energy=LinearKernel"
+                    f"(...) without a sliding window, got energy={type(self.energy).__name__} "
+                    f"and local_window_size={self.local_window_size}"
+                )
+            assert isinstance(self.energy, LinearKernel)
+            return LinearCache.create(
+                self.num_kv_heads,
+                max_len,
+                self.qk_size,
+                self.vo_size,
+                energy=self.energy,
+                dtype=dtype,
+                batch=kwargs.get("batch"),
+            )
+        kwargs.setdefault("layout", cache_layout(self.backend, self.energy))
+        return KVCache.create(
+            self.num_kv_heads, max_len, self.qk_size, self.vo_size, dtype=dtype, **kwargs
+        )
+
+    def _attend_linear_state(self, q, k, v, cache: LinearCache):
+        """Attention against the layer's linear state, which absorbs the new keys first (not
+        causal) or along the chunk (causal: query i sees the state and the chunk's keys up to
+        i). Tokens at positions `>= cache.stop` (padding) are not absorbed."""
+        state = cache.state
+        if isinstance(state, tuple):
+            raise ValueError(
+                "MultiheadAttention: this LinearCache holds a model's layers; pass cache.layer(i)"
+            )
+        if not self.uses_linear_state:
+            raise ValueError(
+                "MultiheadAttention: a LinearCache serves energy=LinearKernel(...) without a "
+                f"sliding window; this layer has energy={type(self.energy).__name__} and "
+                f"local_window_size={self.local_window_size} (use a KVCache)"
+            )
+        assert isinstance(self.energy, LinearKernel)
+        if state.feature_map is not self.energy.feature_map:
+            raise ValueError(
+                "MultiheadAttention: the LinearCache was made for another feature map than the "
+                "layer's energy (create it with energy=layer.energy)"
+            )
+        n = k.shape[0]
+        absorbed = cache.length + jnp.arange(n, dtype=jnp.int32) < cache.stop
+        if self.causal:
+            if q.shape[0] != n:
+                raise ValueError(
+                    f"MultiheadAttention: a causal call with a LinearCache takes as many queries "
+                    f"as keys, got {q.shape[0]} and {n}"
+                )
+            out, state = state.attend_causal(q, k, v, mask=absorbed)
+        else:
+            state = state.update(k, v, mask=absorbed)
+            out = state.attend(q)
+        length = cache.length + n
+        return out, dataclasses.replace(cache, state=state, length=length)
 
     def _attend_with_dropout(self, q, k, v, mask, q_offset, key, inference):
         """Softmax attention with dropout on the weights (Equinox's semantics)."""

@@ -1,5 +1,6 @@
 """The KV cache: a fixed-size pytree, one buffer per layer, head-major or sequence-major,
-optionally sharded round-robin over devices."""
+optionally sharded round-robin over devices; and the linear-attention cache, one
+`LinearState` per layer."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from .._numerics import LAYOUTS, Layout
 from .._sharding import SequenceSharding
+from ..energy import LinearKernel, LinearState
 
 
 class KVCache(eqx.Module):
@@ -222,15 +224,10 @@ class KVCache(eqx.Module):
             # to a scatter with in-bounds, non-overlapping indices, also in place.)
             new_k = jax.lax.dynamic_update_slice_in_dim(self.k, k, length, axis)
             new_v = jax.lax.dynamic_update_slice_in_dim(self.v, v, length, axis)
-        elif n == 1:
-            # On overflow the slot computed would belong to another position: write back
-            # what it holds instead (a one-token read, not a pass over the cache).
-            start = self.slots(self.length)
-            k = jnp.where(overflow, jax.lax.dynamic_slice_in_dim(self.k, start, 1, axis), k)
-            v = jnp.where(overflow, jax.lax.dynamic_slice_in_dim(self.v, start, 1, axis), v)
-            new_k = jax.lax.dynamic_update_slice_in_dim(self.k, k, start, axis)
-            new_v = jax.lax.dynamic_update_slice_in_dim(self.v, v, start, axis)
         else:
+            # A scatter that drops out-of-bounds slots (the overflow): each device writes the
+            # tokens that fall in its shard, in place. (Reading back a slot's old value with a
+            # dynamic slice instead made XLA all-gather the sharded cache on every step.)
             slots = self.slots(self.length + jnp.arange(n, dtype=jnp.int32))
             slots = jnp.where(overflow, self.max_len, slots)  # out of bounds: dropped
             if self.layout == "bhsd":
@@ -240,6 +237,126 @@ class KVCache(eqx.Module):
                 new_k = self.k.at[..., slots, :, :].set(k, mode="drop")
                 new_v = self.v.at[..., slots, :, :].set(v, mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v, length=self.length + n)
+
+
+NO_STOP = np.iinfo(np.int32).max
+"""`LinearCache.stop` when every token is absorbed."""
+
+
+class LinearCache(eqx.Module):
+    r"""The cache of a model with [`LinearKernel`][treeattn.energy.LinearKernel] attention: per
+    layer a [`LinearState`][treeattn.energy.LinearState] ($S = \sum_a \phi(k_a) v_a^\top$,
+    $z = \sum_a \phi(k_a)$ per kv head) instead of the keys and values.
+
+    Its size does not depend on the number of tokens, so a decode step against it takes
+    constant time and memory (`[kv_heads, features, dv + 1]` numbers per layer, in float32).
+    It has the interface of a model's `KVCache` — `length` (the tokens absorbed, which set the
+    positions of the next ones), `layers`, `layer(i)`, `with_layers(...)`, `max_len` — so
+    `prefill`, `decode_step` and `generate` take either. `max_len` bounds the positions as for
+    a `KVCache` (they refuse to pass it, on the host, before running); the state does not grow
+    with it, and inside a program nothing is lost past it.
+
+    `stop[*batch]`: tokens at positions `>= stop` are not absorbed (the padding after a
+    shorter prompt of a batch, which a `KVCache` overwrites later but a sum cannot forget);
+    `NO_STOP` (the default) absorbs every token.
+
+    A layer with a sliding window cannot be served by a sum over every past key: such a model
+    gets a `KVCache` from `Transformer.init_cache`.
+    """
+
+    state: LinearState | tuple[LinearState, ...]
+    length: Int[Array, "*batch"]
+    stop: Int[Array, "*batch"]
+    max_len: int = eqx.field(static=True)
+
+    @classmethod
+    def create(
+        cls,
+        kv_heads: int,
+        max_len: int,
+        qk: int,
+        vo: int | None = None,
+        *,
+        energy: LinearKernel | None = None,
+        layers: int | None = None,
+        dtype=jnp.float32,
+        batch: int | None = None,
+    ) -> LinearCache:
+        """An empty cache: one layer's, or with `layers=n` a model's (`n` states, one
+        length), for keys of size `qk` and values of size `vo` (default `qk`) under
+        `energy` (default `LinearKernel()`). `dtype` is that of the keys; the states
+        accumulate in at least float32. With `batch=b`, every array gets a leading axis of
+        `b` rows."""
+        if max_len < 1:
+            raise ValueError(f"LinearCache.create: max_len must be at least 1, got {max_len}")
+        if layers is not None and layers < 1:
+            raise ValueError(f"LinearCache.create: layers must be at least 1, got {layers}")
+        if batch is not None and batch < 1:
+            raise ValueError(f"LinearCache.create: batch must be at least 1, got {batch}")
+        vo = qk if vo is None else vo
+
+        def one():
+            return LinearState.empty(kv_heads, qk, vo, energy=energy, dtype=dtype, batch=batch)
+
+        state = one() if layers is None else tuple(one() for _ in range(layers))
+        rows = () if batch is None else (batch,)
+        length = jnp.zeros(rows, jnp.int32)
+        _remember(length, 0)
+        stop = jnp.full(rows, NO_STOP, jnp.int32)
+        return cls(state=state, length=length, stop=stop, max_len=max_len)
+
+    @property
+    def devices(self) -> int:
+        """1: a linear state is not sharded (a sharded one is a `psum` of the shards')."""
+        return 1
+
+    @property
+    def layers(self) -> int | None:
+        """The number of layers of a model's cache; `None` for one layer's."""
+        return len(self.state) if isinstance(self.state, tuple) else None
+
+    @property
+    def dtype(self):
+        """The dtype the states accumulate in."""
+        first = self.state[0] if isinstance(self.state, tuple) else self.state
+        return first.S.dtype
+
+    def layer(self, i: int) -> LinearCache:
+        """Layer `i` of a model's cache: its state and the shared length."""
+        if not isinstance(self.state, tuple):
+            raise ValueError(
+                "LinearCache.layer: this is one layer's cache (created without layers=)"
+            )
+        return dataclasses.replace(self, state=self.state[i])
+
+    def with_layers(self, layers: Sequence[LinearCache]) -> LinearCache:
+        """A model's cache from its updated layers (each advanced by the same tokens)."""
+        if len(layers) != self.layers:
+            raise ValueError(
+                f"LinearCache.with_layers: {len(layers)} layers for a cache of {self.layers}"
+            )
+        state = tuple(c.state for c in layers)
+        assert all(isinstance(s, LinearState) for s in state)
+        return dataclasses.replace(self, state=state, length=layers[-1].length)  # pyright: ignore[reportArgumentType]
+
+
+Cache = KVCache | LinearCache
+"""What a model's layers carry from call to call."""
+
+
+def prompt_padding(cache: Cache, lengths: Int[Array, " batch"] | None) -> Cache:
+    """Before a batched prefill of padded prompts: a `LinearCache` absorbs only each row's
+    first `lengths` tokens (a `KVCache` overwrites the padding later)."""
+    if lengths is None or not isinstance(cache, LinearCache):
+        return cache
+    return dataclasses.replace(cache, stop=cache.length + lengths)
+
+
+def after_prompts(cache: Cache, lengths: Int[Array, " batch"]) -> Cache:
+    """After a batched prefill: each row holds its own prompt's `lengths` tokens."""
+    if isinstance(cache, LinearCache):
+        return dataclasses.replace(cache, length=lengths, stop=jnp.full_like(lengths, NO_STOP))
+    return dataclasses.replace(cache, length=lengths)
 
 
 def _overflow_message(n: int, length: int | None, max_len: int) -> str:
@@ -263,7 +380,7 @@ def _remember(length: Array, value: int) -> None:
     _KNOWN[key] = (weakref.ref(length, lambda _: _KNOWN.pop(key, None)), value)
 
 
-def reserve(cache: KVCache, n: int) -> int | None:
+def reserve(cache: Cache, n: int) -> int | None:
     """Check on the host that `n` more tokens fit into `cache`; the length they will bring
     it to, or `None` for a traced cache (checked in the program instead)."""
     if n > cache.max_len:
@@ -284,15 +401,17 @@ def reserve(cache: KVCache, n: int) -> int | None:
     return held + n
 
 
-def remember(cache: KVCache, length: int | None) -> None:
+def remember(cache: Cache, length: int | None) -> None:
     """Record the length `reserve` promised for the cache a call returned."""
     if length is not None:
         _remember(cache.length, length)
 
 
-def empty_rows(template: KVCache, batch: int, *, mesh=None, kv_axis=None) -> KVCache:
+def empty_rows(template: Cache, batch: int, *, mesh=None, kv_axis=None) -> Cache:
     """An empty cache like `template` (a cache, or its `jax.eval_shape`) with a leading axis
     of `batch` rows, allocated in place: nothing of `template` is read or copied."""
+    if isinstance(template, LinearCache):
+        return _linear_rows(template, batch)
     first = template.k[0] if isinstance(template.k, tuple) else template.k
     second = template.v[0] if isinstance(template.v, tuple) else template.v
     heads = first.shape[-3 if template.layout == "bhsd" else -2]
@@ -309,3 +428,21 @@ def empty_rows(template: KVCache, batch: int, *, mesh=None, kv_axis=None) -> KVC
         layout=template.layout,
         batch=batch,
     )
+
+
+def _linear_rows(template: LinearCache, batch: int) -> LinearCache:
+    one = template.state[0] if isinstance(template.state, tuple) else template.state
+
+    def state():
+        return LinearState(
+            S=jnp.zeros((batch, *one.S.shape[-3:]), one.S.dtype),
+            z=jnp.zeros((batch, *one.z.shape[-2:]), one.z.dtype),
+            feature_map=one.feature_map,
+        )
+
+    layers = template.layers
+    states = state() if layers is None else tuple(state() for _ in range(layers))
+    length = jnp.zeros((batch,), jnp.int32)
+    _remember(length, 0)
+    stop = jnp.full((batch,), NO_STOP, jnp.int32)
+    return LinearCache(state=states, length=length, stop=stop, max_len=template.max_len)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import equinox as eqx
@@ -12,17 +11,17 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attention import AttentionBackend, as_backend, cache_layout
-from ._cache import KVCache, empty_rows, remember, reserve
+from ._cache import Cache, after_prompts, empty_rows, prompt_padding, remember, reserve
 from ._llama import Transformer, check_token_ids, check_token_type
 
 
 def prefill(
     model: Transformer,
     tokens: Int[Array, " seq"],
-    cache: KVCache,
+    cache: Cache,
     *,
     backend: str | AttentionBackend | None = None,
-) -> tuple[Float[Array, "seq vocab"], KVCache]:
+) -> tuple[Float[Array, "seq vocab"], Cache]:
     """Run `tokens` after what `cache` holds; return their logits and the updated cache.
 
     The cache passed in is donated (its buffers are updated in place and become the returned
@@ -43,10 +42,10 @@ def prefill(
 def decode_step(
     model: Transformer,
     token: Int[Array, ""],
-    cache: KVCache,
+    cache: Cache,
     *,
     backend: str | AttentionBackend | None = None,
-) -> tuple[Float[Array, " vocab"], KVCache]:
+) -> tuple[Float[Array, " vocab"], Cache]:
     """One token in, next-token logits out. Shapes never change, so this compiles once.
 
     The step reads each weight and each cached key and value once and writes only the new
@@ -175,7 +174,10 @@ def generate(
     # and donated to the loop, which updates it where it lies.
     cache = jax.eval_shape(
         lambda: model.init_cache(
-            max_len or total - 1, mesh=cache_mesh, kv_axis=cache_axis, layout=cache_layout(be)
+            max_len or total - 1,
+            mesh=cache_mesh,
+            kv_axis=cache_axis,
+            layout=cache_layout(be, model.energy),
         )
     )
     if total - 1 > cache.max_len:
@@ -275,10 +277,11 @@ def _generate_batch(
         next_logits, cache = forward(token[:, None], cache)
         return (next_logits[:, 0], cache), token
 
-    logits, cache = forward(tokens, cache)
+    logits, cache = forward(tokens, prompt_padding(cache, None if mask is None else lengths))
     # A shorter row's padding was run after its prompt; it is not counted: the row's next
-    # token overwrites it, and nothing attends to it before then.
-    cache = dataclasses.replace(cache, length=lengths)
+    # token overwrites it, and nothing attends to it before then (a linear state never
+    # absorbed it).
+    cache = after_prompts(cache, lengths)
     first = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     # The last token needs no forward pass of its own: scan one step fewer, then sample it.
     (last, cache), new = jax.lax.scan(step, (first, cache), jnp.arange(max_new_tokens - 1))

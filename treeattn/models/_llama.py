@@ -12,7 +12,7 @@ from jax.core import Tracer
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._numerics import Layout
-from ..energy import Energy
+from ..energy import Energy, LinearKernel
 from ._attention import (
     AttentionBackend,
     MultiheadAttention,
@@ -20,7 +20,7 @@ from ._attention import (
     cache_layout,
     is_default_energy,
 )
-from ._cache import KVCache, remember, reserve
+from ._cache import Cache, KVCache, LinearCache, remember, reserve
 from ._config import LlamaConfig
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
 
@@ -72,7 +72,7 @@ class DecoderBlock(eqx.Module):
             c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, dtype=dtype, key=k2
         )
 
-    def __call__(self, x, cache: KVCache | None, backend: AttentionBackend | None):
+    def __call__(self, x, cache: Cache | None, backend: AttentionBackend | None):
         h = self.input_layernorm(x)
         if cache is None:
             attn = self.self_attn(h, h, h, backend=backend)
@@ -147,13 +147,39 @@ class Transformer(eqx.Module):
         block: int = 16,
         dtype=None,
         layout: Layout | None = None,
-    ) -> KVCache:
-        """An empty KV cache for all layers, one buffer per layer (sharded over
-        `mesh`/`kv_axis` for `"tree"`). `layout` defaults to what the model's backend reads
-        without a copy (see `cache_layout`)."""
+        linear_state: bool | None = None,
+    ) -> Cache:
+        r"""An empty cache for all layers.
+
+        A model whose attention energy is a [`LinearKernel`][treeattn.energy.LinearKernel]
+        (without a sliding window) gets a [`LinearCache`][treeattn.models.LinearCache]: per
+        layer the linear state $\sum_a \phi(k_a) v_a^\top$, $\sum_a \phi(k_a)$, against which
+        a decode step takes constant time (`linear_state=False` gives a `KVCache` instead; the
+        sharding arguments do not apply to a state). Any other model gets a `KVCache`, one
+        buffer per layer (sharded over `mesh`/`kv_axis` for `"tree"`); `layout` defaults to
+        what the model's backend and energy read without a copy (see `cache_layout`)."""
         c = self.config
         assert c.head_dim is not None and c.num_key_value_heads is not None  # resolved
         dtype = dtype or self.embed_tokens.weight.dtype
+        attn = self.block(0).self_attn
+        if linear_state is None:
+            linear_state = attn.uses_linear_state
+        if linear_state:
+            if not attn.uses_linear_state:
+                raise ValueError(
+                    "Transformer.init_cache: linear_state=True needs energy=LinearKernel(...) "
+                    f"and no sliding window, got energy={type(self.energy).__name__} and "
+                    f"sliding_window={c.sliding_window}"
+                )
+            assert isinstance(attn.energy, LinearKernel)
+            return LinearCache.create(
+                c.num_key_value_heads,
+                max_len,
+                c.head_dim,
+                layers=c.num_hidden_layers,
+                energy=attn.energy,
+                dtype=dtype,
+            )
         return KVCache.create(
             c.num_key_value_heads,
             max_len,
@@ -163,7 +189,7 @@ class Transformer(eqx.Module):
             mesh=mesh,
             kv_axis=kv_axis,
             block=block,
-            layout=cache_layout(self.backend) if layout is None else layout,
+            layout=cache_layout(self.backend, self.energy) if layout is None else layout,
         )
 
     @property
@@ -205,10 +231,10 @@ class Transformer(eqx.Module):
     def __call__(
         self,
         tokens: Int[Array, " seq"],
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         *,
         backend: str | AttentionBackend | None = None,
-    ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], KVCache]:
+    ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], Cache]:
         """Logits of every position; with `cache`, the tokens follow the cached ones and the
         updated cache is returned too.
 
@@ -225,10 +251,10 @@ class Transformer(eqx.Module):
     def from_embeddings(
         self,
         x: Float[Array, "seq hidden"],
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         *,
         backend: str | AttentionBackend | None = None,
-    ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], KVCache]:
+    ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], Cache]:
         """As `__call__`, from token embeddings (differentiable inputs)."""
         be = None if backend is None else as_backend(backend)
         length = None

@@ -1,0 +1,169 @@
+"""LinearState: the decoding state of normalised linear attention against a float64 NumPy
+reference and against `energy_attention(energy=LinearKernel())`; a sum monoid (shards add,
+in any order; one psum across devices); causal chunks after a state; no keys gives 0."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import devices
+from hypothesis import given, strategies as st
+from jax.sharding import Mesh, PartitionSpec as P
+
+from treeattn.energy import LinearKernel, LinearState, allreduce_sum, energy_attention
+
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def np_phi(x):
+    x = np.asarray(x, np.float64)
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))  # elu + 1
+
+
+def np_linear_attention(q, k, v, *, keep=None, causal_from=None):
+    """Float64: o = sum_a w_a v_a / sum_a w_a, w_a = phi(q).phi(k_a), over the kept keys;
+    `causal_from=c`: query i sees keys up to c + i."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    t, h, _ = q.shape
+    n, hk, _ = k.shape
+    g = h // hk
+    out = np.zeros((t, h, v.shape[-1]))
+    for i in range(t):
+        for head in range(h):
+            kh = head // g
+            w = np_phi(k[:, kh]) @ np_phi(q[i, head])
+            seen = np.ones(n, bool) if keep is None else np.asarray(keep).copy()
+            if causal_from is not None:
+                seen &= np.arange(n) <= causal_from + i
+            w = np.where(seen, w, 0.0)
+            if w.sum() > 0:
+                out[i, head] = w @ v[:, kh] / w.sum()
+    return out
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads",
+    [(jnp.float32, 2, 2), (jnp.float32, 6, 2), (jnp.bfloat16, 4, 1)],
+)
+def test_attend_is_linear_attention_over_the_keys(dtype, heads, kv_heads, getkey):
+    n, t, d, dv = 11, 3, 8, 5
+    q = jax.random.normal(getkey(), (t, heads, d), dtype)
+    k = jax.random.normal(getkey(), (n, kv_heads, d), dtype)
+    v = jax.random.normal(getkey(), (n, kv_heads, dv), dtype)
+    keep = jax.random.bernoulli(getkey(), 0.7, (n,))
+    state = LinearState.from_keys(k, v, mask=keep)
+    assert state.S.shape == (kv_heads, d, dv) and state.z.shape == (kv_heads, d)
+    assert state.S.dtype == jnp.float32  # accumulated in float32 whatever the keys' dtype
+    out = state.attend(q)
+    assert out.dtype == dtype and out.shape == (t, heads, dv)
+    want = np_linear_attention(q, k, v, keep=np.asarray(keep))
+    assert rel(out, want) < TOL[dtype]
+    # the energy path over the same keys
+    mask = jnp.broadcast_to(keep, (t, n))
+    ref = energy_attention(q, k, v, mask=mask, energy=LinearKernel())
+    assert rel(out, ref) < TOL[dtype]
+
+
+def test_length_mask_and_update_agree(getkey):
+    k = jax.random.normal(getkey(), (9, 2, 4))
+    v = jax.random.normal(getkey(), (9, 2, 3))
+    a = LinearState.from_keys(k, v, length=5)
+    b = LinearState.from_keys(k[:5], v[:5])
+    c = LinearState.empty(2, 4, 3).update(k, v, mask=jnp.arange(9) < 5)
+    for s in (a, c):
+        np.testing.assert_allclose(s.S, b.S, rtol=1e-6)
+        np.testing.assert_allclose(s.z, b.z, rtol=1e-6)
+
+
+def test_no_keys_gives_zero_and_masked_nan_never_enters(getkey):
+    q = jax.random.normal(getkey(), (2, 4, 4))
+    empty = LinearState.empty(2, 4, 3)
+    np.testing.assert_array_equal(empty.attend(q), 0.0)
+    k = jax.random.normal(getkey(), (3, 2, 4)).at[2].set(jnp.nan)
+    v = jax.random.normal(getkey(), (3, 2, 3)).at[2].set(jnp.inf)
+    state = LinearState.from_keys(k, v, mask=jnp.array([True, True, False]))
+    out = state.attend(q)
+    assert np.all(np.isfinite(out))
+    assert rel(out, np_linear_attention(q, k[:2], v[:2])) < 2e-5
+    none = LinearState.from_keys(k, v, mask=jnp.zeros(3, bool))
+    np.testing.assert_array_equal(none.attend(q), 0.0)
+
+
+_from_keys = jax.jit(lambda k, v: LinearState.from_keys(k, v))
+K = jax.random.normal(jax.random.key(1), (4, 3, 2, 4))  # 4 blocks of 3 keys
+V = jax.random.normal(jax.random.key(2), (4, 3, 2, 3))
+
+
+@given(st.permutations(range(4)))
+def test_states_of_blocks_add_in_any_order(order):
+    whole = _from_keys(K.reshape(12, 2, 4), V.reshape(12, 2, 3))
+    total = _from_keys(K[order[0]], V[order[0]])
+    for i in order[1:]:
+        total = total + _from_keys(K[i], V[i])
+    np.testing.assert_allclose(total.S, whole.S, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(total.z, whole.z, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,before", [(1, 4), (3, 0), (64, 4)])
+def test_causal_chunk_after_a_state(block_size, before, getkey):
+    n, heads, kv_heads = 10, 4, 2
+    q = jax.random.normal(getkey(), (before + n, heads, 8))
+    k = jax.random.normal(getkey(), (before + n, kv_heads, 8))
+    v = jax.random.normal(getkey(), (before + n, kv_heads, 6))
+    keep = jnp.arange(n) < n - 2  # the last two tokens are padding: not absorbed
+    state = LinearState.from_keys(k[:before], v[:before])
+    out, new = state.attend_causal(
+        q[before:], k[before:], v[before:], mask=keep, block_size=block_size
+    )
+    full_keep = np.concatenate([np.ones(before, bool), np.asarray(keep)])
+    want = np_linear_attention(q[before:], k, v, keep=full_keep, causal_from=before)
+    assert rel(out[: n - 2], want[: n - 2]) < 2e-5
+    ref = energy_attention(q, k, v, causal=True, energy=LinearKernel())[before:]
+    assert rel(out[: n - 2], ref[: n - 2]) < 2e-5
+    whole = LinearState.from_keys(k, v, length=before + n - 2)
+    np.testing.assert_allclose(new.S, whole.S, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new.z, whole.z, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sharded_state_is_one_psum(getkey):
+    p = 4
+    mesh = Mesh(np.array(devices(p)), ("kv",))
+    k = jax.random.normal(getkey(), (8 * p, 2, 4))
+    v = jax.random.normal(getkey(), (8 * p, 2, 3))
+    q = jax.random.normal(getkey(), (1, 4, 4))
+
+    def local(k, v):
+        return allreduce_sum(LinearState.from_keys(k, v), axis_name="kv")
+
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("kv"), P("kv")), out_specs=P()))
+    state = sharded(k, v)
+    text = sharded.lower(k, v).compile().as_text() or ""
+    assert text.count("all-reduce(") + text.count("all-reduce-start(") == 1
+    want = np_linear_attention(q, k, v)
+    assert rel(state.attend(q), want) < 2e-5
+
+
+def test_a_custom_feature_map_and_argument_errors(getkey):
+    def relu_features(x):
+        return jnp.concatenate([jax.nn.relu(x), jax.nn.relu(-x)], axis=-1)  # 2x features
+
+    energy = LinearKernel(feature_map=relu_features)
+    q = jax.random.normal(getkey(), (2, 2, 4))
+    k = jax.random.normal(getkey(), (7, 2, 4))
+    v = jax.random.normal(getkey(), (7, 2, 3))
+    state = LinearState.from_keys(k, v, energy=energy)
+    assert state.S.shape == (2, 8, 3) and state.energy == energy
+    ref = energy_attention(q, k, v, energy=energy)
+    assert rel(state.attend(q), ref) < 2e-5
+    with pytest.raises(ValueError, match="kv heads"):
+        state.update(k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="multiple of kv_heads=2"):
+        state.attend(q[:, :1].repeat(3, axis=1))
+    with pytest.raises(ValueError, match="must be a LinearKernel"):
+        LinearState.empty(2, 4, 3, energy="elu")  # pyright: ignore[reportArgumentType]
