@@ -49,8 +49,8 @@ ENERGIES = {
 }
 
 
-def tree(p):
-    return AttentionBackend("tree", mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
+def tree(p, name="tree"):
+    return AttentionBackend(name, mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
 
 
 @pytest.mark.parametrize("name", list(ENERGIES))
@@ -74,6 +74,7 @@ def test_layer_is_the_energy_attention_of_its_projections(name, getkey):
 
 @pytest.mark.parametrize("name", list(ENERGIES))
 def test_tree_generate_gives_the_reference_tokens(name, getkey):
+    """Tree decoding, and the ring baseline, generate the reference path's tokens."""
     model = Transformer(CONFIG, energy=ENERGIES[name], key=getkey())
     prompt = jax.random.randint(getkey(), (5,), 0, CONFIG.vocab_size)
     want = generate(model, prompt, max_new_tokens=4, backend="reference", max_len=16)
@@ -82,6 +83,8 @@ def test_tree_generate_gives_the_reference_tokens(name, getkey):
         model, prompt, max_new_tokens=4, backend=be, mesh=be.mesh, kv_axis="kv", max_len=16
     )
     np.testing.assert_array_equal(got, want)
+    ring = generate(model, prompt, max_new_tokens=4, backend=tree(2, "ring"), max_len=16)
+    np.testing.assert_array_equal(ring, want)
     # each generated token is the greedy choice of one full pass over the tokens (up to ties)
     logits = model(want[:-1], backend="energy")
     assert not isinstance(logits, tuple)

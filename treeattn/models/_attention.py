@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -147,7 +148,14 @@ def attend(
     `kv_length`, `q_offset` and positions where every query sees every filled key.
     `attention_energy` (None: `Softmax()`, the fused paths) any other
     [`Energy`][treeattn.energy.Energy]: see `_attend_energy`."""
-    if not is_default_energy(attention_energy):
+    ordered_slots = (
+        kv_positions is not None
+        and attention_energy is not None
+        and not attention_energy.monoid.commutative
+    )
+    if not is_default_energy(attention_energy) and (backend.name != "ring" or ordered_slots):
+        # The ring of an ordered energy over a round-robin cache (whose shards interleave
+        # positions) takes the gathered path below, as the tree does.
         assert attention_energy is not None and shard_lengths is None
         return _attend_energy(
             q,
@@ -208,6 +216,8 @@ def attend(
     assert backend.mesh is not None and backend.kv_axis is not None
     per_shard = shard_lengths is not None
     sharded_decode = decode.tree_decode if name == "tree" else decode.ring_decode
+    if not is_default_energy(attention_energy):  # the ring of any other energy
+        sharded_decode = functools.partial(decode.ring_decode, energy=attention_energy)
     out = sharded_decode(
         q[None],
         k[None],
