@@ -23,6 +23,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 from _common import compile_and_time, machine, write_json
+from jax import lax
 
 from treeattn.energy import (
     LinearKernel,
@@ -79,9 +80,9 @@ def by_hand(name):
 
     def stick(q, k, v):
         x, causal = _logits(q, k)
-        log_r = jnp.where(causal, -jax.nn.softplus(x), 0.0)
-        later = jnp.cumsum(log_r[..., ::-1], axis=-1)[..., ::-1] - log_r
-        w = jnp.where(causal, jnp.exp(-jax.nn.softplus(-x) + later), 0.0)
+        log_r = jnp.where(causal, -jax.nn.softplus(x), 0.0)  # log(1 - beta)
+        # log A_a = log beta_a + sum_{b > a} log(1 - beta_b) = x_a + sum_{b >= a} log(1 - beta_b)
+        w = jnp.where(causal, jnp.exp(x + lax.cumsum(log_r, axis=2, reverse=True)), 0.0)
         return _apply(w, v)
 
     return {
