@@ -7,11 +7,13 @@
     python benchmarks/energies.py --linear   # also: a LinearKernel model's decode step, 1K vs 32K
 
 Per energy: run time and compiled FLOPs of `energy_attention(..., energy=E)` against the
-attention of that energy written out in jnp (materialised weights times V), timed in the same
-run. Targets: within 1.15x of the hand-written time and 1.05x of its FLOPs. With `--memory`:
-the compiled temporaries (`memory_analysis().temp_size_in_bytes`) of training through
-attention (forward + gradient in q, k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32,
-materialised vs blockwise (target: below 1 GiB; the logits alone are 8 GiB). With `--decode`:
+attention of that energy written out in jnp (materialised weights times V, the same causal
+mask, float32; stick-breaking with one softplus and a reverse `lax.cumsum`), timed in
+alternating rounds of the same run. Targets: within 1.15x of the hand-written time and 1.05x
+of its FLOPs. With `--memory`: the compiled temporaries
+(`memory_analysis().temp_size_in_bytes`) of training through attention (forward + gradient in
+q, k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32, materialised vs blockwise (target:
+below 1 GiB; the logits alone are 8 GiB). With `--decode`:
 one decode step (a query per row against a cache of `--decode-seq` keys) of each energy,
 `tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8 simulated CPU devices and
 `flash_attention(energy=E)` on one: medians of interleaved runs (ratios within one run) and the
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _common import compile_and_time, machine, write_json
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from treeattn.decode import flash_attention, ring_decode, tree_decode
@@ -91,9 +94,9 @@ def by_hand(name):
 
     def stick(q, k, v):
         x, causal = _logits(q, k)
-        log_r = jnp.where(causal, -jax.nn.softplus(x), 0.0)
-        later = jnp.cumsum(log_r[..., ::-1], axis=-1)[..., ::-1] - log_r
-        w = jnp.where(causal, jnp.exp(-jax.nn.softplus(-x) + later), 0.0)
+        log_r = jnp.where(causal, -jax.nn.softplus(x), 0.0)  # log(1 - beta)
+        # log A_a = log beta_a + sum_{b > a} log(1 - beta_b) = x_a + sum_{b >= a} log(1 - beta_b)
+        w = jnp.where(causal, jnp.exp(x + lax.cumsum(log_r, axis=2, reverse=True)), 0.0)
         return _apply(w, v)
 
     return {
@@ -112,6 +115,27 @@ ENERGIES = {
     "LinearKernel()": LinearKernel(),
     "StickBreaking()": StickBreaking(),
 }
+
+
+def interleaved(hand_fn, grad_fn, args: tuple, repeats: int) -> tuple[dict, dict, float]:
+    """Both compiled (compile time and FLOPs as `compile_and_time`), then timed in alternating
+    rounds, so that a shared machine slows both alike. Returns their stats and the median of
+    the per-round time ratios grad / hand."""
+    stats, calls = [], []
+    for fn in (hand_fn, grad_fn):
+        keep: dict = {}
+        stats.append(compile_and_time(fn, *args, repeats=1, keep=keep))
+        calls.append(keep["compiled"])
+    times: list[list[float]] = [[], []]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            jax.block_until_ready(call(*args))
+            times[i].append(time.perf_counter() - start)
+    for st, ts in zip(stats, times, strict=True):
+        st.update(median_s=statistics.median(ts), min_s=min(ts), max_s=max(ts), repeats=repeats)
+    ratio = statistics.median(g / h for h, g in zip(*times, strict=True))
+    return stats[0], stats[1], ratio
 
 
 def memory(seq: int, heads: int, dim: int, block_size: int | None, energy) -> float:
@@ -282,7 +306,8 @@ def main() -> None:
         return
     print(
         f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}, causal, float32; "
-        f"medians of {args.repeats} runs after warm-up\n"
+        f"medians of {args.repeats} alternating rounds after warm-up (time/hand: the median of "
+        "the per-round ratios)\n"
     )
     header = (
         f"{'energy':<20} {'by hand':>9} {'grad F':>9} {'time/hand':>9} {'GFLOP hand':>10} "
@@ -294,13 +319,11 @@ def main() -> None:
     q, k, v = (jax.random.normal(kk, (args.seq, args.heads, args.dim)) for kk in keys)
     rows, ok = [], True
     for name, energy in ENERGIES.items():
-        hand = compile_and_time(by_hand(name), q, k, v, repeats=args.repeats)
 
         def grad_f(q, k, v, energy=energy):
             return energy_attention(q, k, v, causal=True, energy=energy)
 
-        grad = compile_and_time(grad_f, q, k, v, repeats=args.repeats)
-        time_ratio = grad["median_s"] / hand["median_s"]
+        hand, grad, time_ratio = interleaved(by_hand(name), grad_f, (q, k, v), args.repeats)
         flop_ratio = grad["flops"] / hand["flops"]
         ok &= time_ratio <= TIME_TARGET and flop_ratio <= FLOP_TARGET
         rows.append({"energy": name, "hand": hand, "grad": grad, "time_ratio": time_ratio})

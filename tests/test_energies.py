@@ -561,7 +561,9 @@ def test_blockwise_memory(case):
 
     whole, blocked = temp(None), temp(128)
     print(f"temporaries: materialised {whole / 2**20:.1f} MiB, blockwise {blocked / 2**20:.1f} MiB")
-    assert blocked < whole / 4
+    # The materialised form keeps a few logits-sized arrays (its gradient recomputes the
+    # weights where they are used), the blockwise form a few blocks of them.
+    assert blocked < whole / 3
 
 
 @pytest.mark.parametrize("kv_layout", ["bshd", "bhsd"])

@@ -25,8 +25,6 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._numerics import masked_logsumexp
-
 
 Reduction = Literal["allreduce", "butterfly", "hierarchical"]
 """How partials are merged across devices (see `allreduce_partials`)."""
@@ -254,11 +252,6 @@ def sum_across(x: Any, *, axis_name: AxisName, reduction: Reduction) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def _safe_logaddexp(a: Array, b: Array) -> Array:
-    """log(e^a + e^b) with -inf as its identity, never NaN (the lse half of `merge_partials`)."""
-    return merge_partials(None, a, None, b)[1]
-
-
 @dataclasses.dataclass(frozen=True)
 class Monoid:
     r"""How an energy's per-key contributions reduce to the free energy $F$.
@@ -292,6 +285,9 @@ class Monoid:
     readout: Callable[[Any], Array]
     reductions: int = 1
     """Collectives of the forward across devices with the `"allreduce"` schedule."""
+    lift_after: Callable[[Any, Any, Any], Any] | None = None
+    """Optional `lift_after(first, elements, visible)` = `combine(first, lift(elements,
+    visible))` in one pass (a sink folded into the block's own reduction)."""
 
 
 def _lse_pullback(local, merged, residual, ct):
@@ -301,9 +297,86 @@ def _lse_pullback(local, merged, residual, ct):
     return jnp.where(finite, w, 0.0) * ct
 
 
+def _lse_parts(x: Array, visible: Array, first: Array):
+    """The shift, the shifted weights and their sum of a masked log-sum-exp over the last
+    axis, preceded by one more entry `first` per row (-inf: none).
+
+    Guarded with `maximum` alone (no select on the reduced rows): an all-masked row has the
+    shift -max_float and z = 0, and the weights, the reduction and the product with the values
+    stay one fusion for XLA."""
+    y = jnp.where(visible, x, jnp.asarray(-jnp.inf, x.dtype))
+    big = jnp.finfo(x.dtype).max
+    m = jnp.maximum(jnp.max(y, axis=-1, initial=-jnp.inf), first)
+    shift = jnp.maximum(lax.stop_gradient(m), -big)
+    p = jnp.exp(y - shift[..., None])
+    return shift, p, jnp.sum(p, axis=-1) + jnp.exp(first - shift)
+
+
+@jax.custom_jvp
+def _lse_lift(x: Array, visible: Array, first: Array) -> Array:
+    shift, _, z = _lse_parts(x, visible, first)
+    # log(0) = -inf: an all-masked row reads out -inf; a NaN among visible entries gives NaN.
+    return shift + jnp.log(z)
+
+
+@_lse_lift.defjvp
+def _lse_lift_jvp(primals, tangents):
+    r"""$dF = \sum_a w_a\,dx_a + w_0\,dx_0$ with the weights $w = e^{x - m} / z$ of the visible
+    entries (and of `first`, $x_0$), $z = \sum e^{x - m}$.
+
+    Written out rather than left to autodiff through the logarithm, and without a select on
+    the rows: under `jax.grad` the reduction, the weights and what contracts them (attention's
+    product with V) then form one fusion. A hidden entry has weight exactly 0 and a finite
+    tangent (the caller gives hidden entries finite elements), so it adds exactly 0; an
+    all-masked row has $z = 0$, F = -inf and tangent 0. Differentiable again (second order,
+    cumulants): the primal is this function itself.
+    """
+    x, visible, first = primals
+    dx, _, d_first = tangents
+    shift, p, z = _lse_parts(x, visible, first)
+    dz = jnp.sum(p * dx, axis=-1) + jnp.exp(first - shift) * d_first
+    # A nonempty row has z >= 1 (its maximum contributes e^0); an empty one z = 0 and dz = 0.
+    return _lse_lift(x, visible, first), dz / jnp.maximum(z, 0.5)
+
+
+def _lse_lift_masked(x: Array, visible: Array | None) -> Array:
+    """`masked_logsumexp` (in `_numerics`) with the derivative of `_lse_lift_jvp`."""
+    return _lse_lift_after(jnp.full(x.shape[:-1], -jnp.inf, x.dtype), x, visible)
+
+
+def _lse_lift_after(first: Array, x: Array, visible: Array | None) -> Array:
+    """`combine(first, lift(x, visible))` for the log-sum-exp, in one pass over `x`."""
+    visible = jnp.ones((), bool) if visible is None else visible
+    return _lse_lift(x, visible, jnp.broadcast_to(first, x.shape[:-1]).astype(x.dtype))
+
+
+def _pair_parts(a: Array, b: Array):
+    big = jnp.finfo(jnp.result_type(a, b)).max
+    shift = jnp.maximum(lax.stop_gradient(jnp.maximum(a, b)), -big)
+    p_a, p_b = jnp.exp(a - shift), jnp.exp(b - shift)
+    return shift, p_a, p_b, p_a + p_b
+
+
+@jax.custom_jvp
+def _safe_logaddexp(a: Array, b: Array) -> Array:
+    """log(e^a + e^b) with -inf as its identity, never NaN (the lse of `merge_partials`),
+    commutative bit for bit; computed and differentiated as `_lse_lift` over the pair, with
+    arithmetic alone (no select), so that it fuses with what reads it."""
+    shift, _, _, z = _pair_parts(a, b)
+    return shift + jnp.log(z)
+
+
+@_safe_logaddexp.defjvp
+def _safe_logaddexp_jvp(primals, tangents):
+    (a, b), (da, db) = primals, tangents
+    _, p_a, p_b, z = _pair_parts(a, b)
+    # z >= 1 unless both are -inf (then z = 0 and the tangent is 0).
+    return _safe_logaddexp(a, b), (p_a * da + p_b * db) / jnp.maximum(z, 0.5)
+
+
 LOGSUMEXP = Monoid(
     name="logsumexp",
-    lift=masked_logsumexp,
+    lift=_lse_lift_masked,
     combine=_safe_logaddexp,
     identity=lambda shape, dtype: jnp.full(shape, -jnp.inf, dtype),
     commutative=True,
@@ -314,6 +387,7 @@ LOGSUMEXP = Monoid(
     pullback=_lse_pullback,
     readout=lambda s: s,
     reductions=2,
+    lift_after=_lse_lift_after,
 )
 r"""$\log\sum_a e^{x_a}$: the monoid of softmax (today's `merge_partials`, without outputs).
 Identity $-\infty$; across devices a max, then a sum (`"allreduce"`), or the butterfly."""
@@ -344,11 +418,12 @@ r"""$\sum_a x_a$: identity 0, one all-reduce (or the butterfly) across devices, 
 def _affine_lift(elements, visible):
     log_w, log_r = elements
     if visible is not None:
-        log_w = jnp.where(visible, log_w, -jnp.inf)
         log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
     # Each key's weight is damped by every later key of the block: the exclusive suffix sum.
-    later = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True) - log_r
-    return masked_logsumexp(log_w + later, None), jnp.sum(log_r, axis=-1)
+    # The log-sum-exp masks the weights itself (no select in their derivative).
+    suffix = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True)
+    log_total = suffix[..., 0] if log_r.shape[-1] else jnp.sum(log_r, axis=-1)
+    return _lse_lift_masked(log_w + (suffix - log_r), visible), log_total
 
 
 def _affine_combine(a, b):

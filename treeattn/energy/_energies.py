@@ -105,6 +105,20 @@ class Energy(eqx.Module):
     def readout(self, state: Any, ctx: Context) -> Float[Array, "kv_heads rows"]:
         return self.monoid.readout(state)
 
+    def _scaled_tilt(self, ctx: Context, dtype) -> tuple[Array, Callable[..., Any]] | None:
+        """`(c, e)` when `elements(x, t)` equals `e(x, c t)` for a per-row factor `c[kv_heads,
+        rows]`: the tilt is then built from `c ζ` (a factor on the rows of ζ rather than on every
+        logit, which under `jax.grad` keeps the weights in one fusion with their product with
+        V). None (the default): `elements` is called as it is."""
+        return None
+
+    def _hides_itself(self) -> bool:
+        r"""True when the `elements` of a hidden key (its logit set to 0) at $\zeta = 0$ are
+        already the monoid's identity with zero derivatives: the lift then need not mask them
+        again (one select less in the gradient, where it would keep the weights out of the
+        fusion with V)."""
+        return False
+
 
 def _alibi_and_softcap(x, softcap, alibi_slopes, ctx: Context):
     if softcap is not None:
@@ -145,6 +159,12 @@ class Softmax(Energy):
     def readout(self, state, ctx):
         return state / jnp.asarray(self.beta, state.dtype)
 
+    def _scaled_tilt(self, ctx, dtype):
+        if type(self).elements is not Softmax.elements:  # a subclass redefined the elements
+            return None
+        beta = per_head(self.beta, ctx, dtype)
+        return beta, lambda x, scaled_tilt: beta[..., None] * x + scaled_tilt
+
 
 class SoftmaxWithSink(Softmax):
     r"""Softmax with an attention sink: a logit $\sigma_h$ per head that takes weight but
@@ -168,6 +188,20 @@ class SoftmaxWithSink(Softmax):
         return per_head(self.beta, ctx, dtype) * per_head(self.sink, ctx, dtype)
 
 
+@jax.custom_jvp
+def _softplus(x: Array) -> Array:
+    # log(1 + e^x) = max(x, 0) + log1p(e^{-|x|}): exact for every x, NaN for NaN.
+    return jnp.maximum(x, 0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+@_softplus.defjvp
+def _softplus_jvp(primals, tangents):
+    # The derivative is the logistic function itself: one transcendental per logit, where
+    # differentiating softplus's own formula costs three (exp, log1p and exp again).
+    (x,), (dx,) = primals, tangents
+    return _softplus(x), jax.nn.sigmoid(x) * dx
+
+
 class Sigmoid(Energy):
     r"""Sigmoid attention: each key is weighted independently, $\sigma(x_a + b)$.
 
@@ -184,12 +218,40 @@ class Sigmoid(Energy):
 
     def elements(self, x, tilt, ctx):
         b = -np.log(max(ctx.kv_total, 1)) if self.bias is None else self.bias
-        return jax.nn.softplus(x + jnp.asarray(b, x.dtype) + tilt)
+        return _softplus(x + jnp.asarray(b, x.dtype) + tilt)
 
 
 def elu_plus_one(x: Array) -> Array:
     r"""$\phi(x) = \mathrm{elu}(x) + 1 > 0$, the feature map of Katharopoulos et al. (2020)."""
     return jax.nn.elu(x) + 1.0
+
+
+@jax.custom_jvp
+def _log_of_sum(s: Array) -> Array:
+    """log s of a sum of non-negative weights: -inf for an empty row (s = 0), NaN for NaN."""
+    return jnp.log(jnp.maximum(s, jnp.zeros((), s.dtype)))
+
+
+@_log_of_sum.defjvp
+def _log_of_sum_jvp(primals, tangents):
+    # ds / s with arithmetic alone on the rows (a select would keep the weights out of the
+    # fusion with V); an empty row has s = 0 and ds = 0, and gets 0.
+    (s,), (ds,) = primals, tangents
+    return _log_of_sum(s), ds * _reciprocal(s)
+
+
+@jax.custom_jvp
+def _reciprocal(s: Array) -> Array:
+    """1 / s for s >= 0, with s floored at the smallest normal float (an empty row: s = 0)."""
+    return 1 / jnp.maximum(s, jnp.finfo(s.dtype).tiny)
+
+
+@_reciprocal.defjvp
+def _reciprocal_jvp(primals, tangents):
+    # -ds / s^2, 0 below the floor; ordered so that 1/tiny^2 (inf) is never formed.
+    (s,), (ds,) = primals, tangents
+    r = _reciprocal(s)
+    return r, jnp.where(s >= jnp.finfo(s.dtype).tiny, -(r * ds) * r, jnp.zeros((), r.dtype))
 
 
 class LinearKernel(Energy):
@@ -211,9 +273,12 @@ class LinearKernel(Energy):
     def elements(self, x, tilt, ctx):
         return x * jnp.exp(tilt)
 
+    def _hides_itself(self):
+        # A hidden key has x = 0: element x e^0 = 0 (the sum's identity), derivatives 0.
+        return type(self).elements is LinearKernel.elements
+
     def readout(self, state, ctx):
-        ok = (state > 0) | jnp.isnan(state)
-        return jnp.where(ok, jnp.log(jnp.where(ok, state, 1.0)), -jnp.inf)
+        return _log_of_sum(state)
 
 
 class StickBreaking(Energy):
@@ -233,7 +298,8 @@ class StickBreaking(Energy):
     monoid: ClassVar[Monoid] = LOG_AFFINE
 
     def elements(self, x, tilt, ctx):
-        return -jax.nn.softplus(-x) + tilt, -jax.nn.softplus(x)
+        log_r = -_softplus(x)  # log(1 - beta_a); log beta_a = x_a + log(1 - beta_a)
+        return x + log_r + tilt, log_r
 
 
 def is_plain_softmax(energy: Energy) -> bool:

@@ -39,8 +39,11 @@ from ._energies import Context, Energy, combine_once, make_context
 from ._free_energy import _tilt, _tilt_at_zero, bad_logits, finite_kv
 
 
-def local_state(energy: Energy, q, k, v, zeta, vis, ctx: Context, at_zero: bool) -> Any:
-    """The monoid state `[kv_heads, rows]` of this block of keys (visible ones only)."""
+def local_state(
+    energy: Energy, q, k, v, zeta, vis, ctx: Context, at_zero: bool, once: bool = False
+) -> Any:
+    """The monoid state `[kv_heads, rows]` of this block of keys (visible ones only); with
+    `once`, preceded by the energy's once-only term (when this block is the whole sequence)."""
     dims = ctx.dims
     ct = compute_dtype(q.dtype)
     k, v, bad = finite_kv(k, v)
@@ -49,11 +52,28 @@ def local_state(energy: Energy, q, k, v, zeta, vis, ctx: Context, at_zero: bool)
     if vis_rows is not None:
         # A key the row does not see never reaches the energy's elements (nor their gradient).
         x = jnp.where(vis_rows, x, jnp.zeros((), x.dtype))
+    scaled = energy._scaled_tilt(ctx, ct)
+    if scaled is None:
+        elements = lambda x, tilt: energy.elements(x, tilt, ctx)  # noqa: E731
+    else:
+        elements = scaled[1]
     if zeta is None:
         tilt = jnp.zeros((), ct)
     else:
-        tilt = (_tilt_at_zero if at_zero else _tilt)(to_rows(zeta.astype(ct), dims), v.astype(ct))
-    return energy.monoid.lift(energy.elements(x, tilt, ctx), vis_rows)
+        zeta = to_rows(zeta.astype(ct), dims)
+        if scaled is not None:
+            zeta = scaled[0][..., None] * zeta
+        tilt = (_tilt_at_zero if at_zero else _tilt)(zeta, v.astype(ct))
+    # At zeta = 0 an energy whose hidden elements are the identity is lifted without a mask.
+    unmasked = at_zero and zeta is not None and energy._hides_itself()
+    e, lift_vis = elements(x, tilt), None if unmasked else vis_rows
+    first = energy.once(ctx) if once else None
+    if first is None:
+        return energy.monoid.lift(e, lift_vis)
+    if energy.monoid.lift_after is None:
+        return combine_once(energy, energy.monoid.lift(e, lift_vis), ctx)
+    # The sink as one more entry of the block's own reduction: one pass, no separate merge.
+    return energy.monoid.lift_after(first, e, lift_vis)
 
 
 def readout(energy: Energy, state, ctx: Context):
@@ -71,7 +91,8 @@ def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_
         return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, **kw)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
-    return readout(energy, local_state(energy, q, k, v, zeta, vis, ctx, at_zero), ctx)
+    state = local_state(energy, q, k, v, zeta, vis, ctx, at_zero, once=True)
+    return lse_from_rows(energy.readout(state, ctx), ctx.dims)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
