@@ -363,6 +363,13 @@ def _multihead(
     )
 
 
+def _too_big(q, k) -> bool:
+    """Whether the materialised logits exceed the size above which evaluation is blockwise."""
+    from ._blockwise import choose_block
+
+    return choose_block(dims_of(q, k, k), None) is not None
+
+
 def _with_window(mask, window, q_seq, kv_seq, q_offset):
     """`mask` and the sliding `window` by absolute position (query `q_offset + i`, key `a`)."""
     if window is None:
@@ -429,13 +436,11 @@ def energy_attention(
     window = check_window("energy_attention", local_window_size)
     check_energy("energy_attention", energy)
     check_block_size("energy_attention", block_size)
-    if block_size is not None or not is_plain_softmax(energy):
+    if block_size is not None or not is_plain_softmax(energy) or _too_big(q, k):
         from ._generic import attention
 
-        q_pos = as_position(q_offset)
-        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
-        kw = {"causal": causal, "scale": scale, "block_size": block_size}
-        return attention(energy, q, k, v, mask, q_pos, **kw)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
+        return attention(energy, q, k, v, mask, as_position(q_offset), **kw)
     return _energy_attention(
         q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
     )
