@@ -420,7 +420,10 @@ def energy_attention(
 
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
     `zeta`. With another `energy`, the output is that energy's $\partial F/\partial\zeta$ at 0
-    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]).
+    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]). Above 2^24
+    logits, or with `block_size`, every energy (the default too) is evaluated in tiles of
+    queries and keys with a custom VJP of its own, so that training through the output holds
+    O(N d) memory rather than the logits (see the energies page).
 
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs (arithmetic in float32 or
     wider). A query with no visible key gets 0.
