@@ -183,3 +183,20 @@ def test_training_memory(energy, block_size):
     temp = _training_temporaries(energy, n, heads, dim, block_size)
     print(f"temporaries {temp / 2**20:.1f} MiB, one logits array {logits / 2**20:.0f} MiB")
     assert temp < logits / 3
+
+
+def test_integer_parameter(getkey):
+    """An integer parameter (`Softmax(beta=2)`) trains blockwise like materialised; its own
+    cotangent is the zero of an integer."""
+    q, k, v = make_qkv(getkey, (6, 20, HEADS, 2, 4, 3), jnp.float32)
+
+    @jax.jit
+    def run(q, k, v):
+        def loss(q, block_size):
+            out = energy_attention(q, k, v, energy=Softmax(beta=2), block_size=block_size)
+            return jnp.sum(jnp.sin(out))
+
+        return jax.grad(loss)(q, 5), jax.grad(loss)(q, None)
+
+    blocked, whole = run(q, k, v)
+    _close(blocked, whole, 2e-5)

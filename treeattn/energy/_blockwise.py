@@ -363,6 +363,16 @@ def _attention_bwd(cfg, res, o_bar):
 blockwise_attention_tiles.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _int_scalar_as_float(dtype):
+    def cast(x):
+        if isinstance(x, bool) or not isinstance(x, int | jax.Array | np.ndarray | np.generic):
+            return x
+        x = jnp.asarray(x)
+        return x.astype(dtype) if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer) else x
+
+    return cast
+
+
 def _split_mask(mask, chunks: int, blocks: int):
     """`mask[..., q_seq, kv_seq]` as tiles `[chunks, blocks, ..., chunk, block]` (padded False)."""
     if mask is None:
@@ -403,6 +413,9 @@ def blockwise_attention(
     local = dataclasses.replace(dims, q_seq=chunk, kv_seq=size)
     s = default_scale(dims.qk, scale)
     cfg = Blocks(local, blocks, dims.kv_seq, s, causal, True, window)
+    # An integer scalar parameter (`Softmax(beta=2)`) enters as a float: the VJP then adds up
+    # real cotangents, and the cast outside gives the integer its zero cotangent.
+    energy = jax.tree.map(_int_scalar_as_float(ct), energy)
     # In the compute dtype: the cotangents of q, k and v add up over tiles in float32 or wider.
     qs = _split(q.astype(ct), chunks, 0)
     ks, vs = _split(k.astype(ct), blocks, 0), _split(v.astype(ct), blocks, 0)
