@@ -2,7 +2,8 @@
 
     python benchmarks/energies.py            # q_seq = kv_seq = 1024, 8 heads of 64, causal
     python benchmarks/energies.py --quick    # a small shape, for a smoke run
-    python benchmarks/energies.py --memory   # also: blockwise memory at 16,384 tokens
+    python benchmarks/energies.py --memory   # also: blockwise memory at 16,384 tokens and
+                                             # blockwise vs materialised training time
     python benchmarks/energies.py --decode   # also: one decode step, tree on 8 devices
     python benchmarks/energies.py --linear   # also: a LinearKernel model's decode step, 1K vs 32K
 
@@ -12,14 +13,18 @@ mask, float32; stick-breaking with one softplus and a reverse `lax.cumsum`), tim
 alternating rounds of the same run. Targets: within 1.15x of the hand-written time and 1.05x
 of its FLOPs. With `--memory`: the compiled temporaries
 (`memory_analysis().temp_size_in_bytes`) of training through attention (forward + gradient in
-q, k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32, materialised vs blockwise (target:
-below 1 GiB; the logits alone are 8 GiB). With `--decode`:
-one decode step (a query per row against a cache of `--decode-seq` keys) of each energy,
-`tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8 simulated CPU devices and
-`flash_attention(energy=E)` on one: medians of interleaved runs (ratios within one run) and the
-bytes each device sends, read from the compiled HLO. With `--linear`: the decode step of a
-small LinearKernel decoder at a context of 1K and of 32K tokens, against its linear state
-(`LinearCache`, constant size) and against a KV cache of the same energy (`linear_state=False`).
+q, k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32, blockwise with blocks of 512
+(target: below 1 GiB; the logits alone are 8 GiB), for every energy and for the default
+`Softmax()` (which goes blockwise by itself at that size); then the time of that training step,
+blockwise (blocks of 256, the automatic size) vs materialised (`block_size=kv_seq`), at
+`--train-seq` tokens (default 2048) where both fit, the two alternated round by round (target:
+within 1.3x). With `--decode`: one decode step (a query per row against a cache of
+`--decode-seq` keys) of each energy, `tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8
+simulated CPU devices and `flash_attention(energy=E)` on one: medians of interleaved runs
+(ratios within one run) and the bytes each device sends, read from the compiled HLO. With
+`--linear`: the decode step of a small LinearKernel decoder at a context of 1K and of 32K
+tokens, against its linear state (`LinearCache`, constant size) and against a KV cache of the
+same energy (`linear_state=False`).
 """
 
 from __future__ import annotations
@@ -169,6 +174,51 @@ def _interleaved(calls: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _training_step(energy, block_size: int | None):
+    def loss(q, k, v):
+        out = energy_attention(q, k, v, causal=True, energy=energy, block_size=block_size)
+        return jnp.sum(out**2)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def training_times(seq: int, heads: int, dim: int, rounds: int) -> list[dict]:
+    """Training through attention (loss on the output, gradient in q, k, v): blockwise (the
+    automatic block size) vs materialised, the two alternated in every round; medians and the
+    median of the per-round ratios."""
+    keys = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(kk, (seq, heads, dim)) for kk in keys)
+    energies = {**ENERGIES, "Softmax()": Softmax()}
+    print(
+        f"\ntraining step at {seq} tokens, {heads} heads of {dim}: blockwise (256) vs materialised"
+    )
+    print(f"{'energy':<20} {'materialised':>12} {'blockwise':>10} {'ratio':>6}")
+    out = []
+    for name, energy in energies.items():
+        steps = {
+            "materialised": _training_step(energy, seq),
+            "blockwise": _training_step(energy, 256),
+        }
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for step in steps.values():  # compile and warm up
+            jax.block_until_ready(step(q, k, v))
+        for _ in range(rounds):
+            for label, step in steps.items():
+                start = time.perf_counter()
+                jax.block_until_ready(step(q, k, v))
+                times[label].append(time.perf_counter() - start)
+        med = {label: statistics.median(t) for label, t in times.items()}
+        ratios = [b / a for a, b in zip(times["materialised"], times["blockwise"], strict=True)]
+        ratio = statistics.median(ratios)
+        out.append({"energy": name, "seq": seq, **{f"{k}_s": t for k, t in med.items()}})
+        out[-1]["ratio"] = ratio
+        print(
+            f"{name:<20} {med['materialised'] * 1e3:>10.1f}ms {med['blockwise'] * 1e3:>8.1f}ms "
+            f"{ratio:>5.2f}x"
+        )
+    return out
+
+
 def decode_rows(args) -> list[dict]:
     """One decode step per energy over a cache sharded on p = 8 devices: `tree_decode` (the
     monoid's states merge) vs `ring_decode` (the K/V shards travel) vs `flash_attention` on
@@ -276,39 +326,8 @@ def linear_decode_rows(args, contexts=(1024, 32768)) -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="seq 256, 4 heads of 32")
-    parser.add_argument("--memory", action="store_true", help="blockwise memory at 16K tokens")
-    parser.add_argument("--decode", action="store_true", help="tree vs ring (8 devices)")
-    parser.add_argument("--decode-seq", type=int, default=16384, help="cached keys (--decode)")
-    parser.add_argument("--decode-batch", type=int, default=4, help="batch rows (--decode)")
-    parser.add_argument(
-        "--linear", action="store_true", help="LinearKernel decode step at 1K and 32K context"
-    )
-    parser.add_argument(
-        "--linear-only", action="store_true", help="only the LinearKernel decode step"
-    )
-    args = parser.parse_args()
-    if args.decode:  # before JAX starts its backends
-        jax.config.update("jax_num_cpu_devices", 8)
-    if args.quick:
-        args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
-        args.decode_seq, args.decode_batch = 1024, 2
-    print(f"machine: {machine()}")
-    if args.linear_only:
-        lin = linear_decode_rows(args)
-        print(f"\nwrote {write_json('energies_linear', {'machine': machine(), 'linear': lin})}")
-        return
-    print(
-        f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}, causal, float32; "
-        f"medians of {args.repeats} alternating rounds after warm-up (time/hand: the median of "
-        "the per-round ratios)\n"
-    )
+def attention_rows(args) -> list[dict]:
+    """Per energy: attention by gradient vs by hand, time and FLOPs."""
     header = (
         f"{'energy':<20} {'by hand':>9} {'grad F':>9} {'time/hand':>9} {'GFLOP hand':>10} "
         f"{'GFLOP grad':>10} {'flops/hand':>10}"
@@ -337,15 +356,58 @@ def main() -> None:
         f"\ntargets (time <= {TIME_TARGET}x, FLOPs <= {FLOP_TARGET}x): "
         f"{'all met' if ok else 'some missed'}"
     )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="seq 256, 4 heads of 32")
+    parser.add_argument("--memory", action="store_true", help="blockwise memory at 16K tokens")
+    parser.add_argument("--decode", action="store_true", help="tree vs ring (8 devices)")
+    parser.add_argument("--decode-seq", type=int, default=16384, help="cached keys (--decode)")
+    parser.add_argument("--decode-batch", type=int, default=4, help="batch rows (--decode)")
+    parser.add_argument(
+        "--linear", action="store_true", help="LinearKernel decode step at 1K and 32K context"
+    )
+    parser.add_argument(
+        "--linear-only", action="store_true", help="only the LinearKernel decode step"
+    )
+    parser.add_argument("--train-seq", type=int, default=2048, help="--memory: timing size")
+    parser.add_argument("--skip-attention", action="store_true", help="only --memory/--decode")
+    args = parser.parse_args()
+    if args.decode:  # before JAX starts its backends
+        jax.config.update("jax_num_cpu_devices", 8)
+    if args.quick:
+        args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
+        args.decode_seq, args.decode_batch = 1024, 2
+    print(f"machine: {machine()}")
+    if args.linear_only:
+        lin = linear_decode_rows(args)
+        print(f"\nwrote {write_json('energies_linear', {'machine': machine(), 'linear': lin})}")
+        return
+    print(
+        f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}, causal, float32; "
+        f"medians of {args.repeats} alternating rounds after warm-up (time/hand: the median of "
+        "the per-round ratios)\n"
+    )
+    rows = [] if args.skip_attention else attention_rows(args)
     mem = []
     if args.memory:
         n, h, d = 16384, 8, 64
         print(f"\ntraining through attention at {n} tokens, {h} heads of {d}, float32:")
-        for name in ("Sigmoid()", "StickBreaking()"):
-            blocked = memory(n, h, d, 512, ENERGIES[name])
-            mem.append({"energy": name, "block_size": 512, "temp_bytes": blocked})
-            print(f"  {name:<18} blockwise (512): {blocked / 2**30:.3f} GiB of temporaries")
+        cases = [(name, energy, 512) for name, energy in ENERGIES.items()]
+        cases += [("Softmax()", Softmax(), 512), ("Softmax()", Softmax(), None)]
+        for name, energy, block in cases:
+            blocked = memory(n, h, d, block, energy)
+            mem.append({"energy": name, "block_size": block, "temp_bytes": blocked})
+            how = f"block_size={block}" if block else "block_size=None"
+            print(f"  {name:<18} {how:<16} {blocked / 2**30:.3f} GiB of temporaries")
         print(f"  (materialised logits alone: {h * n * n * 4 / 2**30:.0f} GiB)")
+        mem += training_times(args.train_seq, h, d, args.repeats)
     dec = decode_rows(args) if args.decode else []
     payload = {"machine": machine(), "args": vars(args), "rows": rows, "memory": mem}
     payload["decode"] = dec

@@ -2,10 +2,16 @@ r"""Blockwise evaluation of any energy in O(N·d) memory, with its exact gradien
 
 The keys are cut into blocks of `block_size`; a scan lifts each block to its monoid state and
 folds it into the running state (in key order, so ordered monoids hold too), never holding more
-than one block of logits. The gradient is a custom VJP that keeps only the per-block states
-(`[blocks, kv_heads, rows]`): it pulls the cotangent of $F$ back through the readout and the
-fold to each block's state, then recomputes each block's logits once more and pulls back through
-them (FlashAttention's recomputation, for any monoid).
+than one block of logits. The gradient of $F$ is a custom VJP that keeps only the per-block
+states (`[blocks, kv_heads, rows]`): it pulls the cotangent of $F$ back through the readout and
+the fold to each block's state, then recomputes each block's logits once more and pulls back
+through them (FlashAttention's recomputation, for any monoid).
+
+Attention $o = \partial F/\partial\zeta|_0$ has a custom VJP of its own (`blockwise_attention`),
+so that training through it never differentiates a scan: the queries are cut into chunks as
+well (tiles of at most `TILE_ELEMENTS` logits), and the VJP of $o$ with cotangent $\bar o$ is
+the gradient of $H = \langle\bar o, \partial F/\partial\zeta\rangle$, the derivative of $F$
+along $\bar o$ — a JVP, evaluated blockwise with each block's state and its tangent.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._numerics import Dims, compute_dtype, default_scale, visibility
+from .._numerics import Dims, Window, as_position, compute_dtype, default_scale, visibility
 from ._energies import make_context
 from ._generic import local_state, readout
 
 
-AUTO_BLOCK = 512
+AUTO_BLOCK = 256
 """The block size chosen automatically."""
 AUTO_ELEMENTS = 1 << 24
 """Above this many logits (`kv_heads * rows * kv_seq`, 64 MiB in float32) the general path
 evaluates blockwise."""
+TILE_ELEMENTS = 1 << 20
+"""Blockwise attention cuts the queries into chunks of at most this many logits per tile
+(`heads * chunk * block`, 4 MiB in float32: a tile's elementwise work stays in cache)."""
 
 
 def choose_block(dims: Dims, block_size: int | None) -> int | None:
@@ -50,6 +59,7 @@ class Blocks:
     scale: float
     causal: bool
     at_zero: bool
+    window: Window | None = None
 
 
 def _split(x, blocks: int, axis: int):
@@ -67,7 +77,13 @@ def _block_state(cfg: Blocks, energy, q, k_b, v_b, zeta, mask_b, q_offset, b):
     start = b * cfg.dims.kv_seq
     slots = start + jnp.arange(cfg.dims.kv_seq) < cfg.kv_total
     vis = visibility(
-        cfg.dims, causal=cfg.causal, mask=mask_b, q_offset=q_offset, kv_offset=start, slots=slots
+        cfg.dims,
+        causal=cfg.causal,
+        mask=mask_b,
+        q_offset=q_offset,
+        kv_offset=start,
+        slots=slots,
+        window=cfg.window,
     )
     ctx = make_context(cfg.dims, cfg.scale, q_offset, start, cfg.kv_total)
     return local_state(energy, q, k_b, v_b, zeta, vis, ctx, cfg.at_zero)
@@ -155,3 +171,256 @@ def blockwise(energy, q, k, v, zeta, mask, q_offset, dims: Dims, *, block, causa
     if zeta is None:
         zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
     return blockwise_terms(cfg, energy, q, ks, vs, zeta, masks, q_offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention itself: o = dF/dzeta at 0, with a custom VJP that reverse mode never differentiates
+# ---------------------------------------------------------------------------------------------
+
+
+def _fold(monoid, states):
+    """The states `[blocks, ...]` combined in block order."""
+    leaf = jax.tree.leaves(states)[0]
+    init = monoid.identity(leaf.shape[1:], leaf.dtype)
+    return lax.scan(lambda c, s: (monoid.combine(c, s), None), init, states)[0]
+
+
+def _zeros_like_tree(x):
+    return jax.tree.map(jnp.zeros_like, x)
+
+
+def _seen(cfg: Blocks, q_offset, b):
+    """Whether any query of a tile (chunk at `q_offset`, key block `b`) may see one of its keys
+    by position (causal, window), or None when every tile may: a tile that cannot is skipped."""
+    if not cfg.causal and cfg.window is None:
+        return None
+    first_k = as_position(b) * cfg.dims.kv_seq
+    last_k = first_k + cfg.dims.kv_seq - 1
+    first_q = as_position(q_offset)
+    last_q = first_q + cfg.dims.q_seq - 1
+    seen = jnp.asarray(True)
+    if cfg.causal:
+        seen = seen & (first_k <= last_q)
+    if cfg.window is not None:
+        left, right = cfg.window
+        seen = seen & (first_q - last_k <= left) & (first_k - last_q <= right)
+    return seen
+
+
+def _when_seen(seen, body, skipped, *args):
+    """`body(*args)`, or `skipped(*args)` (what an unseen tile contributes) when `seen` is False."""
+    if seen is None:
+        return body(*args)
+    return lax.cond(seen, body, skipped, *args)
+
+
+def _chunk_states(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c):
+    """Every key block's monoid state for one chunk of queries, `[blocks, kv_heads, rows]`."""
+    monoid = energy.monoid
+    ct = compute_dtype(q_c.dtype)
+    identity = monoid.identity((cfg.dims.kv_heads, cfg.dims.rows), ct)
+
+    def step(_, xs):
+        k_b, v_b, m_b, b = xs
+
+        def body(k_b, v_b, m_b):
+            return _block_state(cfg, energy, q_c, k_b, v_b, None, m_b, off_c, b)
+
+        return None, _when_seen(_seen(cfg, off_c, b), body, lambda *_: identity, k_b, v_b, m_b)
+
+    return lax.scan(jax.checkpoint(step), None, (ks, vs, masks_c, jnp.arange(cfg.blocks)))[1]
+
+
+def _chunk_attention(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c):
+    """o `[chunk, heads, dv]` of one chunk of queries, and its blocks' states."""
+    ct = compute_dtype(q_c.dtype)
+    states = _chunk_states(cfg, energy, q_c, ks, vs, masks_c, off_c)
+    ctx = _context(cfg, off_c)
+    f, pull = jax.vjp(lambda s: readout(energy, _fold(energy.monoid, s), ctx), states)
+    (d_states,) = pull(jnp.ones_like(f))
+    zeta = jnp.zeros((cfg.dims.q_seq, cfg.dims.heads, cfg.dims.dv), ct)
+
+    def step(o, xs):
+        k_b, v_b, m_b, b, d_s = xs
+
+        def body(k_b, v_b, m_b, d_s):
+            def block(z):
+                return _block_state(cfg, energy, q_c, k_b, v_b, z, m_b, off_c, b)
+
+            return jax.vjp(block, zeta)[1](d_s)[0]
+
+        skipped = lambda *_: jnp.zeros_like(zeta)  # noqa: E731
+        return o + _when_seen(_seen(cfg, off_c, b), body, skipped, k_b, v_b, m_b, d_s), None
+
+    xs = (ks, vs, masks_c, jnp.arange(cfg.blocks), d_states)
+    o = lax.scan(jax.checkpoint(step), jnp.zeros_like(zeta), xs)[0]
+    return o, states
+
+
+def _chunk_pullback(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c, states, o_bar):
+    r"""Cotangents (energy, q chunk, every key block's k, v) of $H = \langle\bar o, o\rangle$
+    for one chunk of queries: $H$ is the derivative of $F$ along $\bar o$ in $\zeta$, so each
+    block contributes its state $s_b$ and tangent $\dot s_b$ (a JVP in $\zeta$), their
+    cotangents come from the fold and readout on `[blocks, kv_heads, rows]` arrays, and one
+    more pass pulls them back through each block's recomputed logits."""
+    monoid = energy.monoid
+    ct = compute_dtype(q_c.dtype)
+    zeta = jnp.zeros((cfg.dims.q_seq, cfg.dims.heads, cfg.dims.dv), ct)
+    o_bar = o_bar.astype(ct)
+    blocks = jnp.arange(cfg.blocks)
+
+    def pair(e, q, k_b, v_b, m_b, b):
+        def block(z):
+            return _block_state(cfg, e, q, k_b, v_b, z, m_b, off_c, b)
+
+        return jax.jvp(block, (zeta,), (o_bar,))
+
+    def tangent(_, xs):
+        k_b, v_b, m_b, b, s_b = xs
+
+        def body(k_b, v_b, m_b):
+            return pair(energy, q_c, k_b, v_b, m_b, b)[1]
+
+        skipped = lambda *_: _zeros_like_tree(s_b)  # noqa: E731
+        return None, _when_seen(_seen(cfg, off_c, b), body, skipped, k_b, v_b, m_b)
+
+    xs = (ks, vs, masks_c, blocks, states)
+    tangents = lax.scan(jax.checkpoint(tangent), None, xs)[1]
+    ctx = _context(cfg, off_c)
+
+    def along(e, s, t):
+        f = lambda s: readout(e, _fold(monoid, s), ctx)  # noqa: E731
+        return jnp.sum(jax.jvp(f, (s,), (t,))[1])
+
+    h, pull = jax.vjp(along, energy, states, tangents)
+    d_energy, d_states, d_tangents = pull(jnp.ones_like(h))
+
+    def step(carry, xs):
+        k_b, v_b, m_b, b, d_s, d_t = xs
+
+        def body(k_b, v_b, m_b, d_s, d_t):
+            _, pull = jax.vjp(lambda e, q, k, v: pair(e, q, k, v, m_b, b), energy, q_c, k_b, v_b)
+            return pull((d_s, d_t))
+
+        def skipped(k_b, v_b, *_):
+            return _zeros_like_tree((d_energy, q_c, k_b, v_b))
+
+        d_e, d_q, d_k, d_v = _when_seen(
+            _seen(cfg, off_c, b), body, skipped, k_b, v_b, m_b, d_s, d_t
+        )
+        carry = jax.tree.map(jnp.add, carry, (d_e, d_q))
+        return carry, (d_k, d_v)
+
+    init = (d_energy, jnp.zeros_like(q_c))
+    xs = (ks, vs, masks_c, blocks, d_states, d_tangents)
+    (d_energy, d_q), (d_ks, d_vs) = lax.scan(jax.checkpoint(step), init, xs)
+    return d_energy, d_q, d_ks, d_vs
+
+
+def _chunk_offsets(cfg: Blocks, chunks: int, q_offset):
+    return q_offset + cfg.dims.q_seq * jnp.arange(chunks, dtype=jnp.int32)
+
+
+def _attention_forward(cfg: Blocks, energy, qs, ks, vs, masks, q_offset):
+    offsets = _chunk_offsets(cfg, qs.shape[0], q_offset)
+
+    def chunk(_, xs):
+        q_c, m_c, off_c = xs
+        return None, _chunk_attention(cfg, energy, q_c, ks, vs, m_c, off_c)
+
+    return lax.scan(chunk, None, (qs, masks, offsets))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def blockwise_attention_tiles(cfg: Blocks, energy, qs, ks, vs, masks, q_offset):
+    """o `[chunks, chunk, heads, dv]` of query chunks `qs[chunks, chunk, heads, qk]` against
+    blocked keys `ks[blocks, block, kv_heads, qk]` (masks `[chunks, blocks, ..., chunk, block]`)."""
+    return _attention_forward(cfg, energy, qs, ks, vs, masks, q_offset)[0]
+
+
+def _attention_fwd(cfg, energy, qs, ks, vs, masks, q_offset):
+    o, states = _attention_forward(cfg, energy, qs, ks, vs, masks, q_offset)
+    return o, (energy, qs, ks, vs, masks, q_offset, states)
+
+
+def _attention_bwd(cfg, res, o_bar):
+    energy, qs, ks, vs, masks, q_offset, states = res
+    offsets = _chunk_offsets(cfg, qs.shape[0], q_offset)
+
+    # Chunk by chunk: the key cotangents add up in the carry, which nothing differentiates
+    # in first-order training, so the memory stays that of the arguments.
+    def chunk(carry, xs):
+        q_c, m_c, off_c, s_c, o_bar_c = xs
+        d_e, d_q, d_ks, d_vs = _chunk_pullback(cfg, energy, q_c, ks, vs, m_c, off_c, s_c, o_bar_c)
+        return jax.tree.map(jnp.add, carry, (d_e, d_ks, d_vs)), d_q
+
+    init = _zeros_like_tree((energy, ks, vs))
+    xs = (qs, masks, offsets, states, o_bar)
+    (d_energy, d_ks, d_vs), d_qs = lax.scan(chunk, init, xs)
+    return d_energy, d_qs, d_ks, d_vs, _float0(masks), _float0(q_offset)
+
+
+blockwise_attention_tiles.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _int_scalar_as_float(dtype):
+    def cast(x):
+        if isinstance(x, bool) or not isinstance(x, int | jax.Array | np.ndarray | np.generic):
+            return x
+        x = jnp.asarray(x)
+        return x.astype(dtype) if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer) else x
+
+    return cast
+
+
+def _split_mask(mask, chunks: int, blocks: int):
+    """`mask[..., q_seq, kv_seq]` as tiles `[chunks, blocks, ..., chunk, block]` (padded False)."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    by_chunk = _split(mask, chunks, mask.ndim - 2)  # [chunks, ..., chunk, kv_seq]
+    return jnp.moveaxis(_split(by_chunk, blocks, by_chunk.ndim - 1), 0, 1)
+
+
+def blockwise_attention(
+    energy,
+    q,
+    k,
+    v,
+    mask,
+    q_offset,
+    dims: Dims,
+    *,
+    block: int,
+    causal: bool,
+    scale,
+    window: Window | None = None,
+    tile: int = TILE_ELEMENTS,
+):
+    r"""Attention $\partial F/\partial\zeta|_0$ `[q_seq, heads, dv]`, in tiles of `block` keys
+    and as many queries as `tile` logits (`heads * chunk * block`) allow, in the compute dtype.
+
+    Memory: the arguments, the per-tile states (`[blocks, kv_heads, group * q_seq]` per leaf),
+    and a few tiles of logits; the VJP adds the cotangents of q, k and v and nothing that grows
+    with the number of blocks times the sequence.
+    """
+    ct = compute_dtype(q.dtype)
+    blocks = -(-dims.kv_seq // block)
+    size = -(-dims.kv_seq // blocks)
+    rows = max(1, tile // max(dims.heads * size, 1))
+    chunks = -(-dims.q_seq // min(rows, dims.q_seq))
+    chunk = -(-dims.q_seq // chunks)
+    local = dataclasses.replace(dims, q_seq=chunk, kv_seq=size)
+    s = default_scale(dims.qk, scale)
+    cfg = Blocks(local, blocks, dims.kv_seq, s, causal, True, window)
+    # An integer scalar parameter (`Softmax(beta=2)`) enters as a float: the VJP then adds up
+    # real cotangents, and the cast outside gives the integer its zero cotangent.
+    energy = jax.tree.map(_int_scalar_as_float(ct), energy)
+    # In the compute dtype: the cotangents of q, k and v add up over tiles in float32 or wider.
+    qs = _split(q.astype(ct), chunks, 0)
+    ks, vs = _split(k.astype(ct), blocks, 0), _split(v.astype(ct), blocks, 0)
+    masks = _split_mask(mask, chunks, blocks)
+    o = jnp.asarray(
+        blockwise_attention_tiles(cfg, energy, qs, ks, vs, masks, as_position(q_offset))
+    )
+    return o.reshape(chunks * chunk, dims.heads, dims.dv)[: dims.q_seq]

@@ -363,6 +363,13 @@ def _multihead(
     )
 
 
+def _too_big(q, k) -> bool:
+    """Whether the materialised logits exceed the size above which evaluation is blockwise."""
+    from ._blockwise import choose_block
+
+    return choose_block(dims_of(q, k, k), None) is not None
+
+
 def _with_window(mask, window, q_seq, kv_seq, q_offset):
     """`mask` and the sliding `window` by absolute position (query `q_offset + i`, key `a`)."""
     if window is None:
@@ -413,7 +420,10 @@ def energy_attention(
 
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
     `zeta`. With another `energy`, the output is that energy's $\partial F/\partial\zeta$ at 0
-    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]).
+    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]). Above 2^24
+    logits, or with `block_size`, every energy (the default too) is evaluated in tiles of
+    queries and keys with a custom VJP of its own, so that training through the output holds
+    O(N d) memory rather than the logits (see the energies page).
 
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs (arithmetic in float32 or
     wider). A query with no visible key gets 0.
@@ -429,13 +439,11 @@ def energy_attention(
     window = check_window("energy_attention", local_window_size)
     check_energy("energy_attention", energy)
     check_block_size("energy_attention", block_size)
-    if block_size is not None or not is_plain_softmax(energy):
+    if block_size is not None or not is_plain_softmax(energy) or _too_big(q, k):
         from ._generic import attention
 
-        q_pos = as_position(q_offset)
-        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
-        kw = {"causal": causal, "scale": scale, "block_size": block_size}
-        return attention(energy, q, k, v, mask, q_pos, **kw)
+        kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
+        return attention(energy, q, k, v, mask, as_position(q_offset), **kw)
     return _energy_attention(
         q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
     )

@@ -36,7 +36,7 @@ from .._partials import AxisName, Reduction, axis_size, sum_across
 from .._sharding import SequenceSharding
 from ._checks import dims_of
 from ._energies import Context, Energy, combine_once, make_context
-from ._free_energy import _tilt, _tilt_at_zero, bad_logits, finite_kv
+from ._free_energy import _tilt, _tilt_at_zero, _with_window, bad_logits, finite_kv
 
 
 def local_state(
@@ -101,13 +101,26 @@ def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_
     return jnp.sum(terms)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
-def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
+def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None, window=None):
+    r"""$\partial F/\partial\zeta$ at 0 `[q_seq, heads, dv]`: blockwise (a custom VJP of its
+    own, in O(N d) memory through training) when `choose_block` picks a block, else `jax.grad`
+    of the materialised $F$. `window` is a sliding window by absolute position."""
     dims = dims_of(q, k, v)
+    from ._blockwise import blockwise_attention, choose_block
+
+    block = choose_block(dims, block_size)
+    if block is not None:
+        kw = {"block": block, "causal": causal, "scale": scale, "window": window}
+        with jax.named_scope("energy_attention"):
+            out = blockwise_attention(energy, q, k, v, mask, q_offset, dims, **kw)
+        return out.astype(q.dtype)
+    if window is not None:
+        mask = _with_window(mask, window, dims.q_seq, dims.kv_seq, q_offset)
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
     def total(zeta):
-        terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, block_size)
+        terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
         return jnp.sum(terms)
 
     with jax.named_scope("energy_attention"):
