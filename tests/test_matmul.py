@@ -1,4 +1,4 @@
-"""The model's matrix product: values, every transform, and no widened weights on CPU."""
+"""The model's matrix product: values, every transform, and the weight read as it lies on CPU."""
 
 import re
 
@@ -18,10 +18,10 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 @pytest.mark.parametrize("rows", [(1,), (3,), (2, 1), ()])
 def test_matches_float64(rows, dtype, getkey):
     x = jax.random.normal(getkey(), (*rows, 16), dtype)
-    w = jax.random.normal(getkey(), (16, 24), dtype)
+    w = jax.random.normal(getkey(), (24, 16), dtype)  # [out, in], as eqx.nn.Linear holds it
     got = matmul(x, w)
     assert got.shape == (*rows, 24) and got.dtype == dtype
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     scale = np.abs(want).max()
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=TOL[dtype] * scale)
 
@@ -29,32 +29,41 @@ def test_matches_float64(rows, dtype, getkey):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_vmap_over_rows_and_over_weights(batch, getkey):
     x = jax.random.normal(getkey(), (batch, 1, 8))
-    w = jax.random.normal(getkey(), (8, 5))
-    ws = jax.random.normal(getkey(), (batch, 8, 5))
-    np.testing.assert_allclose(jax.vmap(matmul, (0, None))(x, w), x @ w, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(jax.vmap(matmul)(x, ws), x @ ws, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(jax.vmap(matmul, (None, 0))(x[0], ws), x[0] @ ws, rtol=1e-6)
+    w = jax.random.normal(getkey(), (5, 8))
+    ws = jax.random.normal(getkey(), (batch, 5, 8))
+    wts = jnp.swapaxes(ws, 1, 2)
+    close = dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(matmul, (0, None))(x, w), x @ w.T, **close)
+    np.testing.assert_allclose(jax.vmap(matmul)(x, ws), x @ wts, **close)
+    np.testing.assert_allclose(jax.vmap(matmul, (None, 0))(x[0], ws), x[0] @ wts, **close)
     nested = jax.vmap(jax.vmap(matmul, (0, None)), (0, None))(x[None], w)
-    np.testing.assert_allclose(nested[0], x @ w, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(nested[0], x @ w.T, **close)
 
 
 @pytest.mark.parametrize("rows", [(1,), (4,)])
 def test_derivatives(rows, getkey):
     x = jax.random.normal(getkey(), (*rows, 6))
-    w = jax.random.normal(getkey(), (6, 3))
+    w = jax.random.normal(getkey(), (3, 6))
     check_grads(matmul, (x, w), order=2, modes=["fwd", "rev"], rtol=1e-2)
     batched = jax.vmap(matmul, (0, None))
     check_grads(batched, (x[None].repeat(2, 0), w), order=1, modes=["fwd", "rev"], rtol=1e-2)
 
 
-@pytest.mark.parametrize("batch", [None, 1])
-def test_a_single_bfloat16_row_reads_the_weight_as_it_is(batch):
-    """XLA:CPU widens the whole weight to float32 for a one-row bfloat16 product (a copy of the
-    weight per call); the product is computed over two rows instead."""
-    x = jnp.ones((1, 64), jnp.bfloat16)
-    w = jnp.ones((64, 128), jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("batch", [None, 1, 4])
+def test_the_weight_is_read_as_it_lies(batch, dtype):
+    """No transposed or widened copy of the weight: XLA:CPU widens the whole weight to float32
+    for a one-row bfloat16 product (so such a product runs over two rows), and a transposed
+    weight sends the product down a slower path."""
+    x = jnp.ones((1, 64), dtype)
+    w = jnp.ones((128, 64), dtype)
     f = matmul if batch is None else jax.vmap(matmul, (0, None))
-    x = x if batch is None else x[None]
+    x = x if batch is None else jnp.broadcast_to(x, (batch, 1, 64))
     text = jax.jit(f).lower(x, w).compile().as_text()
-    widened = [line for line in text.splitlines() if re.search(r"f32\[64,128\]", line)]
-    assert widened == [], "\n".join(widened)
+    copies = [
+        line
+        for line in text.splitlines()
+        if re.search(r"\[(64,128|128,64)\]", line)
+        and re.search(r"\b(transpose|copy|convert)\(", line)
+    ]
+    assert copies == [], "\n".join(copies)

@@ -13,10 +13,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
 def _dot(x, w):
-    """`x @ w` with float32 accumulation for float types narrower than 32 bits."""
+    """`x @ w.T` for a weight `w[out, in]` (Equinox's layout), contracted in place: a transposed
+    operand makes XLA:CPU take a slower path (for bfloat16, 10x slower), so `w` is never
+    transposed. Float32 accumulation for float types narrower than 32 bits."""
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
-        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.dot(x, w)
+        y = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    return jax.lax.dot_general(x, w, dims)
 
 
 def _dot_rows(x, w):
@@ -30,7 +34,7 @@ def _dot_rows(x, w):
 
     def two_rows(x, w):
         padded = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        return _dot(padded, w)[:1].reshape(*x.shape[:-1], w.shape[-1])
+        return _dot(padded, w)[:1].reshape(*x.shape[:-1], w.shape[0])
 
     return jax.lax.platform_dependent(x, w, cpu=two_rows, default=_dot)
 
@@ -54,8 +58,9 @@ def _matmul_rows_vmap(axis_size, in_batched, x, w):
 
 
 @jax.custom_jvp
-def matmul(x: Float[Array, "*rows n"], w: Float[Array, "n m"]) -> Float[Array, "*rows m"]:
-    r"""$x W$ over the rows of `x` (same dtypes), accumulated in float32 for narrower floats.
+def matmul(x: Float[Array, "*rows n"], w: Float[Array, "m n"]) -> Float[Array, "*rows m"]:
+    r"""$x W^\top$ over the rows of `x` for a weight `w[out, in]` (Equinox's layout; same
+    dtypes), accumulated in float32 for narrower floats.
 
     One product for every row of every `vmap`ped call, so a decode step of many sequences
     reads each weight once. Differentiable in both arguments, in forward and reverse mode.
@@ -76,7 +81,7 @@ def apply_linear(proj: eqx.nn.Linear, x: Float[Array, "*rows n"]) -> Float[Array
     promotion mode."""
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(x, proj.weight)
-        y = matmul(x.astype(dtype), proj.weight.T.astype(dtype))
+        y = matmul(x.astype(dtype), proj.weight.astype(dtype))
         if proj.bias is not None:
             y = y + proj.bias.astype(dtype)
     return y

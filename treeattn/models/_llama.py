@@ -290,7 +290,7 @@ class Transformer(eqx.Module):
         if self.lm_head is None:
             with jax.numpy_dtype_promotion("standard"):
                 dtype = jnp.result_type(x, self.embed_tokens.weight)
-            logits = matmul(x.astype(dtype), self.embed_tokens.weight.T.astype(dtype))
+            logits = matmul(x.astype(dtype), self.embed_tokens.weight.astype(dtype))
         else:
             logits = apply_linear(self.lm_head, x)
         if cache is None or new_cache is None:
