@@ -49,13 +49,21 @@ def tree(p):
     return AttentionBackend("tree", mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
 
 
+@eqx.filter_jit
+def _full_pass(model, tokens):
+    return model(tokens, backend="reference")
+
+
 def greedy_full_forward(model, prompt, n):
-    """Each new token the argmax of one full pass (no cache) over the tokens so far."""
-    tokens = prompt
-    for _ in range(n):
-        logits = model(tokens, backend="reference")
+    """Each new token the argmax of one full pass (no cache) over the tokens so far. The passes
+    run over one buffer of every position (one compilation): the model is causal, so the
+    positions not yet filled do not reach the logits read."""
+    m = prompt.shape[0]
+    tokens = jnp.concatenate([prompt, jnp.zeros((n,), prompt.dtype)])
+    for i in range(n):
+        logits = _full_pass(model, tokens)
         assert not isinstance(logits, tuple)
-        tokens = jnp.concatenate([tokens, jnp.argmax(logits[-1]).astype(tokens.dtype)[None]])
+        tokens = tokens.at[m + i].set(jnp.argmax(logits[m + i - 1]).astype(tokens.dtype))
     return tokens
 
 
