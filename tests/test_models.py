@@ -102,7 +102,7 @@ def test_sliding_window_against_numpy_and_through_the_cache(backend, getkey):
     mesh = mesh_of(2) if backend == "tree" else None
     cache = KVCache.create(2, 16, 4, mesh=mesh, kv_axis="kv" if mesh else None, block=2)
     outs = []
-    for chunk in (x[:4], x[4:5], x[5:9], x[9:10], x[10:]):
+    for chunk in (x[:4], x[4:5], x[5:]):  # a prefill, a step, a chunk across the window
         out, cache = windowed(chunk, chunk, chunk, cache=cache)
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs), windowed(x, x, x), rtol=1e-5, atol=1e-6)
