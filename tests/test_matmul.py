@@ -32,7 +32,7 @@ def test_vmap_over_rows_and_over_weights(batch, getkey):
     w = jax.random.normal(getkey(), (5, 8))
     ws = jax.random.normal(getkey(), (batch, 5, 8))
     wts = jnp.swapaxes(ws, 1, 2)
-    close = dict(rtol=1e-6, atol=1e-6)
+    close = {"rtol": 1e-6, "atol": 1e-6}
     np.testing.assert_allclose(jax.vmap(matmul, (0, None))(x, w), x @ w.T, **close)
     np.testing.assert_allclose(jax.vmap(matmul)(x, ws), x @ wts, **close)
     np.testing.assert_allclose(jax.vmap(matmul, (None, 0))(x[0], ws), x[0] @ wts, **close)
