@@ -39,18 +39,6 @@ def check_energy(fn: str, energy) -> Energy:
     return energy
 
 
-def is_fused(energy: Energy) -> bool:
-    """`Softmax()` with every default: served by the softmax kernels, exactly as without
-    `energy=`."""
-    return (
-        type(energy) is Softmax
-        and isinstance(energy.beta, int | float)
-        and energy.beta == 1
-        and energy.softcap is None
-        and energy.alibi_slopes is None
-    )
-
-
 def name_of(energy: Energy) -> str:
     return f"energy={type(energy).__name__}(...)"
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, check_window, compute_dtype, default_scale
-from ..energy import Energy
+from ..energy import Energy, is_plain_softmax
 from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
-from ._energies import SOFTMAX, check_energy, check_general_call, energy_flash, is_fused
+from ._energies import SOFTMAX, check_energy, check_general_call, energy_flash
 from ._reference import reference_forward
 from ._registry import Backend, Choice, dispatch, kernel_call, resolve
 from ._xla import fused
@@ -119,7 +119,7 @@ def flash_attention(
     bias = check_logits_operand(fn, "bias", bias, dims)
     positions = positions_per_row(kv_positions, dims)
     energy = check_energy(fn, energy)
-    if not is_fused(energy):
+    if not is_plain_softmax(energy):
         check_general_call(fn, energy, backend, bias=bias)
         offsets = per_row(q_offset, dims.batch, 0)
         lengths = per_row(kv_length, dims.batch, dims.kv_seq)

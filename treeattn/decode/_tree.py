@@ -17,8 +17,8 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
 from .._sharding import SequenceSharding
-from ..energy import Energy
-from ._energies import SOFTMAX, check_energy, check_general_call, energy_sharded, is_fused
+from ..energy import Energy, is_plain_softmax
+from ._energies import SOFTMAX, check_energy, check_general_call, energy_sharded
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -102,7 +102,7 @@ def tree_decode(
     """
     fn = "tree_decode"
     energy = check_energy(fn, energy)
-    general = not is_fused(energy)
+    general = not is_plain_softmax(energy)
     if general:
         devices = SequenceSharding.create(fn, mesh, kv_axis).devices
         check_general_call(

@@ -19,6 +19,7 @@ from ._energies import (
     SoftmaxWithSink as SoftmaxWithSink,
     StickBreaking as StickBreaking,
     elu_plus_one as elu_plus_one,
+    is_plain_softmax as is_plain_softmax,
 )
 from ._free_energy import (
     attention_reference as attention_reference,

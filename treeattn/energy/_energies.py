@@ -303,7 +303,9 @@ class StickBreaking(Energy):
 
 
 def is_plain_softmax(energy: Energy) -> bool:
-    """`Softmax()` with every default: served by the dedicated softmax code path."""
+    """`Softmax()` with every default (Python numbers, not arrays): the energy the dedicated
+    softmax code paths and the fused kernels serve, with the results of the functions called
+    without `energy=`."""
     return (
         type(energy) is Softmax
         and isinstance(energy.beta, int | float)

@@ -239,14 +239,8 @@ def attend(
 
 
 def is_default_energy(e: Energy | None) -> bool:
-    """None or `Softmax()` with every default (Python numbers, not arrays): the fused paths."""
-    return e is None or (
-        type(e) is Softmax
-        and isinstance(e.beta, int | float)
-        and e.beta == 1
-        and e.softcap is None
-        and e.alibi_slopes is None
-    )
+    """None or `Softmax()` with every default: the fused paths."""
+    return e is None or energy.is_plain_softmax(e)
 
 
 IN_PLACE_LOGITS = 1 << 24
