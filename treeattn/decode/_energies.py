@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from .._numerics import Dims, visibility
-from ..energy import Energy, Softmax, energy_partial
+from .._sharding import SequenceSharding
+from ..energy import Energy, Softmax, energy_partial, is_plain_softmax
 from ._registry import BackendUnavailable, check_backend
 
 
@@ -41,6 +42,19 @@ def check_energy(fn: str, energy) -> Energy:
 
 def name_of(energy: Energy) -> str:
     return f"energy={type(energy).__name__}(...)"
+
+
+def check_sharded_call(
+    fn: str, energy: Energy, backend, mesh, kv_axis, *, bias, kv_positions, shard_lengths
+) -> bool:
+    """For `tree_decode` and `ring_decode`: whether `energy` (already checked) takes its general
+    path, and if so what that path cannot take, refused with the reason."""
+    if is_plain_softmax(energy):
+        return False
+    devices = SequenceSharding.create(fn, mesh, kv_axis).devices
+    kw = {"bias": bias, "kv_positions": kv_positions, "shard_lengths": shard_lengths}
+    check_general_call(fn, energy, backend, devices=devices, **kw)
+    return True
 
 
 def check_general_call(

@@ -16,9 +16,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
-from .._sharding import SequenceSharding
-from ..energy import Energy, is_plain_softmax
-from ._energies import SOFTMAX, check_energy, check_general_call, energy_sharded
+from ..energy import Energy
+from ._energies import SOFTMAX, check_energy, check_sharded_call, energy_sharded
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -102,18 +101,16 @@ def tree_decode(
     """
     fn = "tree_decode"
     energy = check_energy(fn, energy)
-    general = not is_plain_softmax(energy)
-    if general:
-        devices = SequenceSharding.create(fn, mesh, kv_axis).devices
-        check_general_call(
-            fn,
-            energy,
-            backend,
-            bias=bias,
-            kv_positions=kv_positions,
-            shard_lengths=shard_lengths,
-            devices=devices,
-        )
+    general = check_sharded_call(
+        fn,
+        energy,
+        backend,
+        mesh,
+        kv_axis,
+        bias=bias,
+        kv_positions=kv_positions,
+        shard_lengths=shard_lengths,
+    )
     kv_total = k.shape[1 if kv_layout == "bshd" else 2]
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
         fn,
