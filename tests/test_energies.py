@@ -225,6 +225,40 @@ def test_free_energy_gradient_is_attention_and_rows_without_keys(case, getkey):
     assert all(np.isfinite(np.asarray(x)).all() for x in grads)
 
 
+def _reduces_max(f, *args) -> bool:
+    """Whether a `reduce_max` appears in the jaxpr of `f` (nested jaxprs are printed too)."""
+    return "reduce_max" in str(jax.make_jaxpr(f)(*args))
+
+
+def test_stick_breaking_attention_has_no_running_max(getkey):
+    """At zeta = 0 stick-breaking's weights are at most 1: attention and its cumulants lift
+    them without a pass for a running maximum; F at another zeta keeps it (exact for any tilt)."""
+    shape = SHAPES[0]
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    zeta = jnp.ones((shape[0], shape[2], shape[5]))
+    kw = {"causal": True, "energy": StickBreaking()}
+    assert not _reduces_max(lambda q, k, v: energy_attention(q, k, v, **kw), q, k, v)
+    assert not _reduces_max(lambda q, k, v: value_covariance(q, k, v, **kw), q, k, v)
+    assert _reduces_max(lambda *a: multihead_free_energy(*a, **kw), q, k, v, zeta)
+
+
+def test_stick_breaking_with_vanishing_weights(getkey):
+    """Logits near -60 (every weight about 1e-26, a stick almost all left over) and rows
+    without keys: attention, its covariance and a tilted F match float64 NumPy, NaN-free."""
+    shape = (5, 13, HEADS, 2, 8, 3)
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    q, k = q * 0.05 + 4.6, k * 0.05 - 4.6  # s q.k about -4.6^2 * 8 / sqrt(8) ~ -60
+    mask = jax.random.bernoulli(getkey(), 0.7, (HEADS, shape[0], shape[1])).at[:, 0].set(False)
+    kw = {"causal": True, "q_offset": 8, "mask": mask}
+    expected, hessian = reference("stick", {}, q, k, v, **np_kw(kw))
+    assert 1e-30 < np.abs(expected).max() < 1e-20
+    out = call(energy_attention, StickBreaking(), q, k, v, **kw)
+    cov = call(value_covariance, StickBreaking(), q, k, v, **kw)
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(cov)).all()
+    assert ref.rel_err(out, expected) <= TOL[jnp.float32]
+    assert ref.rel_err(cov, hessian) <= 5 * TOL[jnp.float32]
+
+
 def test_default_is_todays_softmax(getkey):
     q, k, v = make_qkv(getkey, SHAPES[0], jnp.float32)
     a = energy_attention(q, k, v, causal=True)

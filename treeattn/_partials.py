@@ -288,6 +288,9 @@ class Monoid:
     lift_after: Callable[[Any, Any, Any], Any] | None = None
     """Optional `lift_after(first, elements, visible)` = `combine(first, lift(elements,
     visible))` in one pass (a sink folded into the block's own reduction)."""
+    lift_unit: Callable[[Any, Any], Any] | None = None
+    r"""Optional `lift` for elements whose weights are known to be at most 1 (log-weights
+    $\le 0$, as stick-breaking's at $\zeta = 0$): the same state without a running maximum."""
 
 
 def _lse_pullback(local, merged, residual, ct):
@@ -415,7 +418,50 @@ SUM = Monoid(
 r"""$\sum_a x_a$: identity 0, one all-reduce (or the butterfly) across devices, no running max."""
 
 
-def _affine_lift(elements, visible):
+def _unit_weights(x: Array, visible: Array | None) -> Array:
+    if visible is not None:
+        x = jnp.where(visible, x, jnp.asarray(-jnp.inf, x.dtype))
+    return jnp.exp(x)
+
+
+@jax.custom_jvp
+def _lse_unit(x: Array, visible: Array | None) -> Array:
+    r"""$\log\sum_a e^{x_a}$ over the visible entries of the last axis, for entries known to
+    be $\le 0$: no shift, so no pass for a running maximum. The weights are at most 1, so
+    nothing overflows; an all-masked row reads out $\log 0 = -\infty$ (the identity)."""
+    return jnp.log(jnp.sum(_unit_weights(x, visible), axis=-1))
+
+
+@jax.custom_jvp
+def _reciprocal(z: Array) -> Array:
+    """1 / max(z, smallest normal number), for z >= 0."""
+    return 1 / jnp.maximum(z, jnp.finfo(z.dtype).tiny)
+
+
+@_reciprocal.defjvp
+def _reciprocal_jvp(primals, tangents):
+    # -(r dz) r rather than -dz / z^2, whose square underflows for a small z (NaN at z = 0).
+    (z,), (dz,) = primals, tangents
+    r = _reciprocal(z)
+    dz = dz * (z >= jnp.finfo(z.dtype).tiny).astype(dz.dtype)
+    return r, -(r * dz) * r
+
+
+@_lse_unit.defjvp
+def _lse_unit_jvp(primals, tangents):
+    r"""$dF = \sum_a e^{x_a}\,dx_a / z$, $z = \sum_a e^{x_a}$, as `_lse_lift_jvp`. An
+    all-masked row has $z = 0$ and tangent 0. A row whose weights sum below the smallest normal
+    number (a share of a stick of length 1) is divided by that number instead, and so moves by
+    less than it."""
+    x, visible = primals
+    dx, _ = tangents
+    p = _unit_weights(x, visible)
+    inv = _reciprocal(jnp.sum(p, axis=-1))
+    return _lse_unit(x, visible), jnp.sum(p * dx, axis=-1) * inv
+
+
+def _affine_parts(elements, visible):
+    r"""The log-weights of the block's keys (damped by every later key) and $\log R$."""
     log_w, log_r = elements
     if visible is not None:
         log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
@@ -423,7 +469,17 @@ def _affine_lift(elements, visible):
     # The log-sum-exp masks the weights itself (no select in their derivative).
     suffix = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True)
     log_total = suffix[..., 0] if log_r.shape[-1] else jnp.sum(log_r, axis=-1)
-    return _lse_lift_masked(log_w + (suffix - log_r), visible), log_total
+    return log_w + (suffix - log_r), log_total
+
+
+def _affine_lift(elements, visible):
+    log_w, log_total = _affine_parts(elements, visible)
+    return _lse_lift_masked(log_w, visible), log_total
+
+
+def _affine_lift_unit(elements, visible):
+    log_w, log_total = _affine_parts(elements, visible)
+    return _lse_unit(log_w, visible), log_total
 
 
 def _affine_combine(a, b):
@@ -477,6 +533,7 @@ LOG_AFFINE = Monoid(
     across=_affine_across,
     pullback=_affine_pullback,
     readout=lambda s: _safe_logaddexp(*s),
+    lift_unit=_affine_lift_unit,
 )
 r"""Ordered products: a block is the affine map $y \mapsto R\,y + Z$ with $Z = \sum_a w_a
 \prod_{b > a} r_b$ and $R = \prod_a r_b$, kept as $(\log Z, \log R)$ from per-key elements

@@ -119,6 +119,11 @@ class Energy(eqx.Module):
         fusion with V)."""
         return False
 
+    def _unit_weights_at_zero(self) -> bool:
+        r"""True when at $\zeta = 0$ the weights of the elements are at most 1 (log-weights
+        $\le 0$): the monoid's `lift_unit` then lifts them without a running maximum."""
+        return False
+
 
 def _alibi_and_softcap(x, softcap, alibi_slopes, ctx: Context):
     if softcap is not None:
@@ -300,6 +305,10 @@ class StickBreaking(Energy):
     def elements(self, x, tilt, ctx):
         log_r = -_softplus(x)  # log(1 - beta_a); log beta_a = x_a + log(1 - beta_a)
         return x + log_r + tilt, log_r
+
+    def _unit_weights_at_zero(self):
+        # log A_a = log beta_a + sum_{b > a} log(1 - beta_b) <= 0 at zeta = 0 (a stick of length 1).
+        return type(self).elements is StickBreaking.elements
 
 
 def is_plain_softmax(energy: Energy) -> bool:

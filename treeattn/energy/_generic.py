@@ -69,7 +69,10 @@ def local_state(
     e, lift_vis = elements(x, tilt), None if unmasked else vis_rows
     first = energy.once(ctx) if once else None
     if first is None:
-        return energy.monoid.lift(e, lift_vis)
+        # At zeta = 0 weights known to be at most 1 need no running maximum.
+        unit = (at_zero or zeta is None) and energy._unit_weights_at_zero()
+        lift = energy.monoid.lift_unit if unit else None
+        return (lift or energy.monoid.lift)(e, lift_vis)
     if energy.monoid.lift_after is None:
         return combine_once(energy, energy.monoid.lift(e, lift_vis), ctx)
     # The sink as one more entry of the block's own reduction: one pass, no separate merge.
