@@ -432,32 +432,20 @@ def _lse_unit(x: Array, visible: Array | None) -> Array:
     return jnp.log(jnp.sum(_unit_weights(x, visible), axis=-1))
 
 
-@jax.custom_jvp
-def _reciprocal(z: Array) -> Array:
-    """1 / max(z, smallest normal number), for z >= 0."""
-    return 1 / jnp.maximum(z, jnp.finfo(z.dtype).tiny)
-
-
-@_reciprocal.defjvp
-def _reciprocal_jvp(primals, tangents):
-    # -(r dz) r rather than -dz / z^2, whose square underflows for a small z (NaN at z = 0).
-    (z,), (dz,) = primals, tangents
-    r = _reciprocal(z)
-    dz = dz * (z >= jnp.finfo(z.dtype).tiny).astype(dz.dtype)
-    return r, -(r * dz) * r
-
-
 @_lse_unit.defjvp
 def _lse_unit_jvp(primals, tangents):
-    r"""$dF = \sum_a e^{x_a}\,dx_a / z$, $z = \sum_a e^{x_a}$, as `_lse_lift_jvp`. An
-    all-masked row has $z = 0$ and tangent 0. A row whose weights sum below the smallest normal
-    number (a share of a stick of length 1) is divided by that number instead, and so moves by
-    less than it."""
+    r"""$dF = \sum_a e^{x_a}\,dx_a / z$, $z = \sum_a e^{x_a}$, as `_lse_lift_jvp`, and
+    differentiable again (cumulants, training through attention). An all-masked row has
+    $z = 0$ and tangent 0; a row whose weights sum below the smallest normal number (a share of
+    a stick of length 1) is divided by that number instead, and so moves by less than it."""
     x, visible = primals
     dx, _ = tangents
     p = _unit_weights(x, visible)
-    inv = _reciprocal(jnp.sum(p, axis=-1))
-    return _lse_unit(x, visible), jnp.sum(p * dx, axis=-1) * inv
+    z = jnp.maximum(jnp.sum(p, axis=-1), jnp.finfo(x.dtype).tiny)
+    # Numerator and divisor scaled by a power of two that brings z near 1 (exact): the powers
+    # of the divisor in the higher derivatives (cumulants) then neither underflow nor overflow.
+    s = lax.stop_gradient(jnp.exp2(-jnp.floor(jnp.log2(z))))
+    return _lse_unit(x, visible), (jnp.sum(p * dx, axis=-1) * s) / (z * s)
 
 
 def _affine_parts(elements, visible):
