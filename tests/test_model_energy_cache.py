@@ -195,6 +195,42 @@ def test_a_sigmoid_decode_step_reads_the_cache_where_it_lies(backend):
     assert memory.temp_size_in_bytes < layer_k.nbytes / 4
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize(
+    "energy", [Sigmoid(bias=jnp.asarray(-2.0)), StickBreaking()], ids=["sigmoid", "stick"]
+)
+def test_an_energy_decode_step_reads_each_cache_once(energy, kv_heads):
+    """Attention as the gradient at zeta = 0 of an energy over the cache in place: per layer
+    one product reads the keys (the logits) and one the values (the gradient); the tilt
+    zeta.v is 0 there and never computed as a product (which XLA does not fold away)."""
+    cfg = dataclasses.replace(GQA, num_key_value_heads=kv_heads)
+    model = Transformer(cfg, energy=energy, key=jax.random.key(0)).unstack_layers()
+    cache = model.init_cache(256)
+    assert isinstance(cache, KVCache)
+    params, static = eqx.partition(model, eqx.is_array)
+    token = jnp.zeros((1,), jnp.int32)
+    step = lambda p, c: _run(p, static, token, c, backend="energy")  # noqa: E731
+    jaxpr = jax.make_jaxpr(step)(params, cache).jaxpr
+    layer_k = cache.layer(0).k
+    assert isinstance(layer_k, jax.Array)
+    h, n, d = layer_k.shape  # head-major; the logits read it as [n, h, d]
+    shapes = {(h, n, d), (n, h, d)}
+    reads = [e for e in _dots(jaxpr) if shapes & {x.aval.shape for x in e.invars}]
+    assert len(reads) == 2 * cfg.num_hidden_layers, reads
+
+
+def _dots(jaxpr):
+    """Every `dot_general` of `jaxpr` and of the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _dots(inner)
+
+
 @pytest.mark.parametrize(
     "energy", [None, Sigmoid(bias=jnp.asarray(-2.0))], ids=["softmax", "sigmoid"]
 )
