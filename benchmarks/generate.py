@@ -23,7 +23,8 @@ to the context (random slots: the cost does not depend on what they hold), layer
 cache donated; a batch of rows is `jax.vmap` over one cache per row, as `generate` runs it.
 Rounds of step and floor interleave; medians. `--hf` adds generation against transformers with
 these weights (saved with `save_pretrained`); identical tokens are checked against the argmax of
-transformers' own full forward.
+transformers' own full forward, and each decode step (transformers' and ours) is reported over
+the floor of that step (weights + every row's cache at the mean decoded length).
 
 **transformers**: eager with its dynamic cache, and with `--static` also with a static cache
 (`cache_implementation="static"`) under `torch.compile`; where that cannot run on this machine
