@@ -23,7 +23,8 @@ to the context (random slots: the cost does not depend on what they hold), layer
 cache donated; a batch of rows is `jax.vmap` over one cache per row, as `generate` runs it.
 Rounds of step and floor interleave; medians. `--hf` adds generation against transformers with
 these weights (saved with `save_pretrained`); identical tokens are checked against the argmax of
-transformers' own full forward.
+transformers' own full forward, and each decode step (transformers' and ours) is reported over
+the floor of that step (weights + every row's cache at the mean decoded length).
 
 **transformers**: eager with its dynamic cache, and with `--static` also with a static cache
 (`cache_implementation="static"`) under `torch.compile`; where that cannot run on this machine
@@ -223,9 +224,16 @@ def throughput(args) -> dict:
     return {"model": name, "prompt": n_prompt, "new": new, "rows": rows, "hf_failures": failures}
 
 
-def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list, dict]:
+def compare(
+    args, model, hf, prompts, batches, new, generate, jnp, floor_bytes=None
+) -> tuple[list, dict]:
     """treeattn's `generate` against transformers (eager; static + compiled with --static)
-    at each batch size: tokens/s in interleaved rounds, and identical greedy tokens."""
+    at each batch size: tokens/s in interleaved rounds, and identical greedy tokens.
+
+    With `floor_bytes(batch)` (the bytes a decode step must read: weights + every row's cache
+    at the mean length of the decoded steps), a streaming read of as many bytes joins the
+    rounds, and each decode step is reported over that floor (`HF step/floor`: how far the
+    fastest possible step could beat transformers')."""
     import jax
     import numpy as np
     import torch
@@ -234,7 +242,9 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
     header = (
         f"{'batch':>5} {'treeattn tok/s':>15} "
         + " ".join(f"{'HF ' + k + ' tok/s':>24}" for k in kinds)
-        + f" {'vs fastest HF':>13} {'decode vs HF':>13} {'compile':>8} {'same tokens':>12}"
+        + f" {'vs fastest HF':>13} {'decode vs HF':>13}"
+        + (f" {'HF step/floor':>13}" if floor_bytes else "")
+        + f" {'compile':>8} {'same tokens':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -265,7 +275,13 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
                 if warmed is not None:
                     fns[kind + suffix] = run
                     compile_hf[kind + suffix] = warmed[1]
+        if floor_bytes is not None:
+            stream = jnp.ones((floor_bytes(batch) // 4,), jnp.float32)
+            read = jax.jit(jnp.sum)
+            jax.block_until_ready(read(stream))
+            fns["floor"] = lambda read=read, stream=stream: jax.block_until_ready(read(stream))
         medians = timed_rounds(fns, args.repeats)
+        fns.pop("floor", None)
         # Greedy tokens checked against the argmax of transformers' own full forward.
         with torch.no_grad():
             full = hf(torch.tensor(np.asarray(out))).logits[:, n_prompt - 1 : -1].argmax(-1)
@@ -285,6 +301,19 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
             **{f"transformers_{k}_decode_tokens_per_s": steps.get(k) for k in kinds},
             "decode_ratio_vs_fastest_transformers": steps["treeattn"] / fastest_steps,
             "compile_s": first - medians["treeattn"],
+            **(
+                {
+                    "floor_bytes": floor_bytes(batch),
+                    "floor_s": medians["floor"],
+                    # Seconds per decode step (all rows) over the floor of one step.
+                    **{f"{k}_step_over_floor": batch / steps[k] / medians["floor"] for k in names},
+                    "fastest_transformers_step_over_floor": batch
+                    / fastest_steps
+                    / medians["floor"],
+                }
+                if floor_bytes is not None
+                else {}
+            ),
             "transformers_first_call_s": compile_hf,
             "identical_to_transformers_forward": same,
         }
@@ -295,7 +324,13 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
         print(
             f"{batch:>5} {rate['treeattn']:>15.1f} {cols} "
             f"{row['ratio_vs_fastest_transformers']:>12.2f}x "
-            f"{row['decode_ratio_vs_fastest_transformers']:>12.2f}x {row['compile_s']:>7.1f}s "
+            f"{row['decode_ratio_vs_fastest_transformers']:>12.2f}x "
+            + (
+                f"{row['fastest_transformers_step_over_floor']:>12.2f}x "
+                if floor_bytes is not None
+                else ""
+            )
+            + f"{row['compile_s']:>7.1f}s "
             f"{str(same):>12}"
         )
     for k, why in failures.items():
@@ -304,6 +339,12 @@ def compare(args, model, hf, prompts, batches, new, generate, jnp) -> tuple[list
     print(
         "tokens/s count new tokens (the prompt's prefill time included); 'decode' compares the "
         "rate of the steps after the first new token"
+        + (
+            "; 'HF step/floor': the fastest transformers decode step over reading the weights "
+            "and every row's cache once (at the mean decoded length), timed in the same rounds"
+            if floor_bytes is not None
+            else ""
+        )
     )
     return rows, failures
 
@@ -495,8 +536,23 @@ def floor(args) -> dict:
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, config.vocab_size, (max(batches), n_prompt))
         print(f"\nagainst transformers, fp32: prompt {n_prompt}, {new} new tokens, greedy")
+        weights = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+        def floor_bytes(batch):
+            # The decoded steps see n_prompt + 1 ... n_prompt + new - 1 cached tokens.
+            tokens = n_prompt + new / 2
+            return int(weights + batch * 2 * n * kv_heads * tokens * head * 4)
+
         hf_rows, failures = compare(
-            args, model.unstack_layers(), hf, prompts, batches, new, generate, jnp
+            args,
+            model.unstack_layers(),
+            hf,
+            prompts,
+            batches,
+            new,
+            generate,
+            jnp,
+            floor_bytes=floor_bytes,
         )
         out |= {"hf_prompt": n_prompt, "hf_new": new, "hf": hf_rows, "hf_failures": failures}
     return out

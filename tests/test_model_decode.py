@@ -1,6 +1,7 @@
 """A model's decode step at memory speed: the cache updated in place, never copied; batched
 generation with prompts of different lengths; both cache layouts on every backend."""
 
+import functools
 import re
 
 import equinox as eqx
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
+from jax.test_util import check_grads
 
 from treeattn.models import (
     AttentionBackend,
@@ -19,7 +21,7 @@ from treeattn.models import (
     generate,
     prefill,
 )
-from treeattn.models._cache import empty_rows
+from treeattn.models._cache import empty_rows, write_at
 from treeattn.models._generate import _generate_batch, _run
 
 
@@ -49,11 +51,20 @@ def compiled_step(model, cache, backend):
     return _run.lower(params, static, token, cache, backend=backend).compile()
 
 
+# A cache-sized buffer converted (XLA:CPU widens a 16-bit float slice update or scatter to
+# float32, the whole buffer there and back), scattered into, copied, broadcast or transposed.
+# (A `bitcast-convert`, the same bits read as integers, is not a `convert`.)
+CACHE_COPY = re.compile(r"(?<![\w-])(copy|transpose|concatenate|broadcast|convert|scatter)\(")
+# A sharded cache is written by a scatter that drops the overflow (see `KVCache`).
+SHARDED_COPY = re.compile(r"\b(copy|transpose|concatenate|broadcast)\(")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("backend", ["flash", AttentionBackend("flash", kernel="cpu")])
-def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
+def test_compiled_decode_step_holds_no_copy_of_the_cache(backend, dtype):
     """The compiled step updates each layer's cache buffer in place (the parameter is aliased
-    to the output) and neither copies nor transposes a cache-sized buffer."""
-    model = model_of().unstack_layers()
+    to the output) and neither copies, converts nor transposes a cache-sized buffer."""
+    model = model_of(dtype).unstack_layers()
     cache = model.init_cache(MAX_LEN, layout="bhsd")
     assert cache.layers == CONFIG.num_hidden_layers
     compiled = compiled_step(model, cache, backend)
@@ -62,8 +73,7 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
     big = [
         line
         for line in text.splitlines()
-        if re.search(rf"\[{layer_shape}\]", line)
-        and re.search(r"\b(copy|transpose|concatenate)\(", line)
+        if re.search(rf"\[{layer_shape}\]", line) and CACHE_COPY.search(line)
     ]
     assert big == [], "\n".join(big)
     # Every K and V buffer is aliased to an output: 2 * layers entries.
@@ -77,13 +87,24 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend):
     assert memory.temp_size_in_bytes < cache.layer(0).k.nbytes / 4
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("backend", ["flash", tree(2)], ids=["flash", "tree-2"])
-def test_batched_generate_holds_no_copy_of_the_cache(backend, rows):
+@pytest.mark.parametrize(
+    ("backend", "rows", "dtype"),
+    [
+        ("flash", 1, jnp.float32),
+        ("flash", 3, jnp.float32),
+        ("flash", 3, jnp.bfloat16),
+        ("flash", 20, jnp.bfloat16),  # more rows than are unrolled: a loop over them
+        (tree(2), 1, jnp.float32),
+        (tree(2), 3, jnp.float32),
+    ],
+    ids=["flash-1", "flash-3", "flash-3-bf16", "flash-20-bf16", "tree-2-1", "tree-2-3"],
+)
+def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     """`generate`'s compiled loop receives one empty cache per row, allocated in place (shard
-    by shard) and donated: every buffer is aliased to an output, nothing copies, broadcasts or
-    transposes a cache-sized buffer, and the temporaries are activations only."""
-    model = model_of()
+    by shard) and donated: every buffer is aliased to an output, nothing copies, converts,
+    scatters into, broadcasts or transposes a cache-sized buffer (each row's new token is one
+    slice update, for every dtype), and the temporaries are activations only."""
+    model = model_of(dtype)
     be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
     mesh, axis = (be.mesh, "kv") if be.name == "tree" else (None, None)
     if mesh is not None and jax.__version_info__ < (0, 9):
@@ -118,13 +139,19 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows):
         line
         for line in text.splitlines()
         if re.search(rf"\[{layer_shape}\]", line)
-        and re.search(r"\b(copy|transpose|concatenate|broadcast)\(", line)
+        and (CACHE_COPY.search(line) if be.name == "flash" else SHARDED_COPY.search(line))
     ]
     assert big == [], "\n".join(big)
     memory = compiled.memory_analysis()
-    local_bytes = sum(np.prod(x.sharding.shard_shape(x.shape)) * 4 for x in (*cache.k, *cache.v))
+    itemsize = jnp.dtype(dtype).itemsize
+    local_bytes = sum(
+        np.prod(x.sharding.shard_shape(x.shape)) * itemsize for x in (*cache.k, *cache.v)
+    )
     assert memory.alias_size_in_bytes >= local_bytes
-    assert memory.temp_size_in_bytes < np.prod(local) * 4 / 4
+    # Activations only; at these tiny sizes XLA:CPU multiplies bfloat16 in float32 and hoists
+    # float32 copies of the weights out of the loop (the weights, not the cache).
+    widened = 0 if itemsize == 4 else sum(x.size * 4 for x in jax.tree.leaves(params))
+    assert memory.temp_size_in_bytes < np.prod(local) * itemsize / 4 + widened
 
 
 def test_a_stacked_model_copies_its_weights_not_its_cache():
@@ -305,3 +332,81 @@ def test_round_robin_generate_gives_the_reference_tokens(p, name, getkey):
     expected = generate(model, prompts, backend="reference", **kw)
     got = generate(model, prompts, backend=tree(p, name), **kw)
     np.testing.assert_array_equal(got, expected)
+
+
+def _write_np(buffer, update, start, axis):
+    out = np.array(buffer, np.float64)
+    start = int(np.clip(start, 0, buffer.shape[axis] - update.shape[axis]))
+    index = [slice(None)] * buffer.ndim
+    index[axis] = slice(start, start + update.shape[axis])
+    out[tuple(index)] = update
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows", [2, 19])  # unrolled, and a loop over the rows
+def test_the_cache_write_under_vmap(dtype, rows, getkey):
+    """`write_at` under `vmap`: per-row starts (one slice update per row), a shared start, a
+    shared buffer, a shared update, nested `vmap`, and clamping at the end, against NumPy."""
+    buffers = jax.random.normal(getkey(), (rows, 2, 9, 3)).astype(dtype)
+    updates = jax.random.normal(getkey(), (rows, 2, 2, 3)).astype(dtype)
+    starts = jnp.arange(rows, dtype=jnp.int32) % 9  # past 7 (= 9 - 2): clamped, as lax does
+    write = functools.partial(write_at, axis=1)
+    b, u = np.asarray(buffers, np.float64), np.asarray(updates, np.float64)
+    want = [_write_np(b[i], u[i], int(starts[i]), 1) for i in range(rows)]
+    cases = {
+        "per-row starts": (jax.vmap(write)(buffers, updates, starts), want),
+        "one start": (
+            jax.vmap(write, (0, 0, None))(buffers, updates, starts[3]),
+            [_write_np(b[i], u[i], int(starts[3]), 1) for i in range(rows)],
+        ),
+        "one buffer": (
+            jax.vmap(write, (None, 0, 0))(buffers[0], updates, starts),
+            [_write_np(b[0], u[i], int(starts[i]), 1) for i in range(rows)],
+        ),
+        "one update": (
+            jax.vmap(write, (0, None, 0))(buffers, updates[0], starts),
+            [_write_np(b[i], u[0], int(starts[i]), 1) for i in range(rows)],
+        ),
+        "nested": (
+            jax.vmap(jax.vmap(write))(buffers[None], updates[None], starts[None])[0],
+            want,
+        ),
+    }
+    for name, (got, expected) in cases.items():
+        assert got.dtype == dtype, name
+        np.testing.assert_array_equal(np.asarray(got, np.float64), np.stack(expected), name)
+
+
+def test_the_cache_write_is_differentiable(getkey):
+    """Forward and reverse mode through the batched write; and the gradient of a batched
+    prefill into an empty cache equals the gradient of the model without a cache."""
+    with jax.enable_x64(True):
+        buffers = jax.random.normal(getkey(), (3, 2, 6, 4), jnp.float64)
+        updates = jax.random.normal(getkey(), (3, 2, 1, 4), jnp.float64)
+        starts = jnp.asarray([0, 5, 2], jnp.int32)
+        write = jax.vmap(functools.partial(write_at, axis=1), (0, 0, None))
+        check_grads(
+            lambda b, u: jax.vmap(lambda b, u, s: write_at(b, u, s, 1))(b, u, starts),
+            (buffers, updates),
+            order=2,
+            modes=("fwd", "rev"),
+        )
+        check_grads(lambda b, u: write(b, u, starts[1]), (buffers, updates), order=1)
+    model = model_of()
+    x = jax.random.normal(getkey(), (2, 5, CONFIG.hidden_size))
+
+    def loss(x, cached):
+        if not cached:
+            logits = jax.vmap(model.from_embeddings)(x)
+            assert not isinstance(logits, tuple)
+            return jnp.sum(logits**2)
+        cache = empty_rows(jax.eval_shape(lambda: model.init_cache(8)), 2)
+        logits, _ = jax.vmap(lambda x, c: model.from_embeddings(x, c, backend="reference"))(
+            x, cache
+        )
+        return jnp.sum(logits**2)
+
+    np.testing.assert_allclose(
+        jax.grad(loss)(x, True), jax.grad(loss)(x, False), rtol=2e-4, atol=1e-5
+    )

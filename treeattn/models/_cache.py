@@ -5,6 +5,7 @@ optionally sharded round-robin over devices; and the linear-attention cache, one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -220,10 +221,9 @@ class KVCache(eqx.Module):
         if self.devices == 1:
             length = eqx.error_if(self.length, overflow, _overflow_message(n, None, self.max_len))
             # The new tokens take consecutive slots: a slice update, in place when the cache
-            # is donated or carried by a loop. (Under vmap with per-row lengths JAX lowers it
-            # to a scatter with in-bounds, non-overlapping indices, also in place.)
-            new_k = jax.lax.dynamic_update_slice_in_dim(self.k, k, length, axis)
-            new_v = jax.lax.dynamic_update_slice_in_dim(self.v, v, length, axis)
+            # is donated or carried by a loop, and under vmap too (see `write_at`).
+            new_k = write_at(self.k, k, length, axis)
+            new_v = write_at(self.v, v, length, axis)
         else:
             # A scatter that drops out-of-bounds slots (the overflow): each device writes the
             # tokens that fall in its shard, in place. (Reading back a slot's old value with a
@@ -237,6 +237,78 @@ class KVCache(eqx.Module):
                 new_k = self.k.at[..., slots, :, :].set(k, mode="drop")
                 new_v = self.v.at[..., slots, :, :].set(v, mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v, length=self.length + n)
+
+
+def write_at(
+    buffer: Float[Array, "*dims"], update: Float[Array, "*upd"], start: Int[Array, ""], axis: int
+) -> Float[Array, "*dims"]:
+    """`buffer` with `update` written at `start` along `axis` (and at 0 along the other axes):
+    `lax.dynamic_update_slice_in_dim`, whose batched form stays an in-place slice update.
+
+    Under `jax.vmap` with one start per row (a batch of caches of different lengths), JAX
+    lowers a slice update to a scatter; XLA:CPU has no scatter of bfloat16 or float16 and then
+    converts the whole buffer to float32 and back, on every decode step. Here each row is one
+    slice update of the batched buffer instead (`_write_rows`), which XLA does in place on a
+    donated or loop-carried buffer, for every dtype. Start indices are clamped so the update
+    fits, as in `lax.dynamic_update_slice`. Differentiable (the tangent is the same write of
+    the tangents)."""
+    starts = jnp.zeros((buffer.ndim,), jnp.int32).at[axis].set(jnp.asarray(start, jnp.int32))
+    return _write(buffer, update, starts)
+
+
+@jax.custom_jvp
+def _write(buffer, update, starts):
+    return _write_rows(buffer, update, starts)
+
+
+@_write.defjvp
+def _write_jvp(primals, tangents):
+    buffer, update, starts = primals
+    d_buffer, d_update, _ = tangents
+    # A plain slice update: linear, so reverse mode transposes it.
+    d_out = jax.lax.dynamic_update_slice(d_buffer, d_update, tuple(starts))
+    return _write(buffer, update, starts), d_out
+
+
+@jax.custom_batching.custom_vmap
+def _write_rows(buffer, update, starts):
+    update = update.astype(buffer.dtype)
+    if not (jnp.issubdtype(buffer.dtype, jnp.floating) and buffer.dtype.itemsize < 4):
+        return jax.lax.dynamic_update_slice(buffer, update, tuple(starts))
+    # XLA:CPU widens a slice update of a 16-bit float to float32 (the whole buffer, there and
+    # back); of the same bits as integers it writes only the slice.
+    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
+    as_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=bits)
+    out = jax.lax.dynamic_update_slice(as_bits(buffer), as_bits(update), tuple(starts))
+    return jax.lax.bitcast_convert_type(out, buffer.dtype)
+
+
+@_write_rows.def_vmap
+def _write_rows_vmap(axis_size, in_batched, buffer, update, starts):
+    buffer_batched, update_batched, starts_batched = in_batched
+    if not buffer_batched:  # one buffer written differently per row: a buffer per row
+        buffer = jnp.broadcast_to(buffer, (axis_size, *buffer.shape))
+    first = jnp.zeros((1,), jnp.int32)
+    if not starts_batched:  # the same slot in every row: one slice update of the batch
+        if not update_batched:
+            update = jnp.broadcast_to(update, (axis_size, *update.shape))
+        return _write_rows(buffer, update, jnp.concatenate([first, starts])), True
+
+    def row(i, buffer):
+        one = update[i] if update_batched else update
+        at = jnp.concatenate([first + i, starts[i]])
+        # Itself a `_write_rows`: under a further vmap, its rows are written the same way.
+        return _write_rows(buffer, one[None], at)
+
+    # One slice update per row on the one buffer (a loop over a handful of rows, unrolled).
+    if axis_size <= _UNROLL_ROWS:
+        for i in range(axis_size):
+            buffer = row(jnp.int32(i), buffer)
+        return buffer, True
+    return jax.lax.fori_loop(0, axis_size, row, buffer), True
+
+
+_UNROLL_ROWS = 16
 
 
 NO_STOP = np.iinfo(np.int32).max
