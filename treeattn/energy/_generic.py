@@ -81,7 +81,11 @@ def readout(energy: Energy, state, ctx: Context):
     return lse_from_rows(energy.readout(combine_once(energy, state, ctx), ctx), ctx.dims)
 
 
-def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None) -> Array:
+def free_energy_terms(
+    energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None
+) -> Array:
+    """$F$ of every (query, head), `[q_seq, heads]`, blockwise when `choose_block` picks a
+    block (see `total_energy`), else from the materialised logits."""
     dims = dims_of(q, k, v)
     from ._blockwise import blockwise, choose_block
 
@@ -97,8 +101,8 @@ def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
 def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None):
-    terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
-    return jnp.sum(terms)
+    args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
+    return jnp.sum(free_energy_terms(*args))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
@@ -120,7 +124,7 @@ def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
     def total(zeta):
-        terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
+        terms = free_energy_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
         return jnp.sum(terms)
 
     with jax.named_scope("energy_attention"):
@@ -133,7 +137,8 @@ def cumulant(energy, q, k, v, mask, q_offset, *, order, causal, scale):
 
     def total(zeta):
         # Forward mode (the higher derivatives) needs the materialised form: block_size=0.
-        return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0))
+        args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
+        return jnp.sum(free_energy_terms(*args))
 
     def mean_field(u):
         return jax.grad(total)(jnp.broadcast_to(u, (dims.q_seq, dims.heads, dims.dv)))
