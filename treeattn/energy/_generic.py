@@ -168,6 +168,18 @@ class Sharded:
     at_zero: bool
 
 
+def _like(g: Array, x: Array, mesh) -> Array:
+    """`g` with the sharding type of `x` (for inputs sharded over Explicit mesh axes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    abstract = getattr(sharding, "mesh", None)
+    if sharding is None or abstract is None or abstract.empty:
+        return g
+    if explicit is None or explicit not in tuple(abstract.axis_types):
+        return g
+    return jax.sharding.reshard(g, jax.sharding.NamedSharding(mesh, sharding.spec))
+
+
 def _zero_cotangent(x):
     if x is None:
         return None
@@ -339,6 +351,8 @@ def _mesh_terms_bwd(plan, res, ct):
     d_energy, grads = plan.sharding.shard_map(local, (P(), specs, P(axis), P()), out_specs)(
         energy, args, saved, ct
     )
+    # On a mesh with Explicit axes each cotangent takes the sharding type of its input.
+    grads = {name: _like(g, args[name], plan.sharding.user_mesh) for name, g in grads.items()}
     for name in ("q_offset", "mask"):
         if name in args:
             grads[name] = _zero_cotangent(args[name])
