@@ -258,8 +258,10 @@ def _optimised_hlo(fn, *args):
     compiled = jax.jit(fn).lower(*args).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
+    assert cost is not None
     # The instructions, without their metadata (source lines, which name the lambdas).
-    ops = [re.sub(r", metadata=\{[^}]*\}", "", line) for line in compiled.as_text().splitlines()]
+    text = compiled.as_text() or ""
+    ops = [re.sub(r", metadata=\{[^}]*\}", "", line) for line in text.splitlines()]
     return cost["flops"], [line for line in ops if " = " in line]
 
 

@@ -352,7 +352,8 @@ def _mesh_terms_bwd(plan, res, ct):
         energy, args, saved, ct
     )
     # On a mesh with Explicit axes each cotangent takes the sharding type of its input.
-    grads = {name: _like(g, args[name], plan.sharding.user_mesh) for name, g in grads.items()}
+    mesh = plan.sharding.user_mesh
+    grads: dict[str, Any] = {name: _like(g, args[name], mesh) for name, g in grads.items()}
     for name in ("q_offset", "mask"):
         if name in args:
             grads[name] = _zero_cotangent(args[name])
