@@ -2,6 +2,7 @@
 one device and sharded over 1-8, with its gradients and its communication."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from treeattn.energy import (
     Softmax,
     SoftmaxWithSink,
     StickBreaking,
+    attention_reference,
     energy_attention,
     multihead_free_energy,
     sharded_energy_attention,
@@ -266,6 +268,52 @@ def test_default_is_todays_softmax(getkey):
     c = energy_attention(q, k, v, causal=True, energy=Softmax(beta=jnp.float32(1.0)))
     np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)  # the general path, same result
+
+
+@pytest.mark.parametrize("case", [*ENERGIES, "default"])
+def test_attention_reference_matches_numpy(case, getkey):
+    """The float32 twin, written from each energy's definition key by key, against float64."""
+    shape = SHAPES[0]
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    kw = make_masking(getkey, shape, "causal_mask3d")
+    mask = np.asarray(kw["mask"]).copy()
+    mask[1, 2] = False  # a row with no visible key gives 0
+    kw["mask"] = jnp.asarray(mask)
+    energy = Softmax() if case == "default" else make_energy(case)
+    name, params = ("softmax", {}) if case == "default" else ENERGIES[case]
+    expected = reference(name, params, q, k, v, **np_kw(kw))[0]
+    out = call(attention_reference, energy, q, k, v, **kw)
+    assert out.dtype == jnp.float32
+    assert ref.rel_err(out, expected) <= 2e-5
+    assert np.all(np.asarray(out)[2, 1] == 0)
+
+
+def _optimised_hlo(fn, *args):
+    compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    assert cost is not None
+    # The instructions, without their metadata (source lines, which name the lambdas).
+    text = compiled.as_text() or ""
+    ops = [re.sub(r", metadata=\{[^}]*\}", "", line) for line in text.splitlines()]
+    return cost["flops"], [line for line in ops if " = " in line]
+
+
+def test_default_and_softmax_compile_to_one_program(getkey):
+    """`energy=Softmax()` and the default are one path: the same optimised program."""
+    q, k, v = make_qkv(getkey, SHAPES[0], jnp.float32)
+    kw = {"causal": True, "q_offset": 8}
+    default = _optimised_hlo(lambda q, k, v: energy_attention(q, k, v, **kw), q, k, v)
+    softmax = _optimised_hlo(
+        lambda q, k, v: energy_attention(q, k, v, energy=Softmax(), **kw), q, k, v
+    )
+    assert default == softmax
+    zeta = jnp.zeros(q.shape[:2] + v.shape[-1:])
+    default = _optimised_hlo(lambda *a: multihead_free_energy(*a, **kw), q, k, v, zeta)
+    softmax = _optimised_hlo(
+        lambda *a: multihead_free_energy(*a, energy=Softmax(), **kw), q, k, v, zeta
+    )
+    assert default == softmax
 
 
 # ---------------------------------------------------------------------------------------------

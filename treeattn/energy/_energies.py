@@ -144,8 +144,8 @@ class Softmax(Energy):
     with $x_a = s\,q\cdot k_a$, optionally soft-capped to $c\tanh(x_a/c)$ (`softcap`, Gemma 2)
     and shifted by ALiBi, $-m_h\,|i - j|$ (`alibi_slopes`, one slope per head). Monoid:
     log-sum-exp. Its Hessian in $\zeta$ is $\beta$ times the covariance of the values under
-    $p = \mathrm{softmax}(\beta x)$. `Softmax()` is treeattn's default energy and takes the
-    same code path (and speed) as the functions without `energy=`.
+    $p = \mathrm{softmax}(\beta x)$. `Softmax()` is treeattn's default energy: the functions
+    without `energy=` compile to the same program.
     """
 
     beta: Any = 1.0
@@ -312,9 +312,9 @@ class StickBreaking(Energy):
 
 
 def is_plain_softmax(energy: Energy) -> bool:
-    """`Softmax()` with every default (Python numbers, not arrays): the energy the dedicated
-    softmax code paths and the fused kernels serve, with the results of the functions called
-    without `energy=`."""
+    """`Softmax()` with every default (Python numbers, not arrays): the energy the fused
+    decoding kernels serve, with the results of the functions called without `energy=` (which
+    evaluate it through the same path as every other energy)."""
     return (
         type(energy) is Softmax
         and isinstance(energy.beta, int | float)

@@ -32,11 +32,20 @@ from .._numerics import (
     from_rows,
     masked_logsumexp as masked_logsumexp,
     poison,
+    rows_visibility,
     to_rows,
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, dims_of
-from ._energies import SOFTMAX, Energy, check_block_size, check_energy, is_plain_softmax
+from ._energies import (
+    SOFTMAX,
+    Energy,
+    check_block_size,
+    check_energy,
+    combine_once,
+    is_plain_softmax,
+    make_context,
+)
 
 
 Tilt = Callable[[Array, Array], Array]
@@ -125,34 +134,6 @@ def scaled_logits(
     ct = compute_dtype(q.dtype)
     qs = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
     return jnp.einsum("kmd,skd->kms", qs, k.astype(ct))
-
-
-def energy_terms(
-    q: Float[Array, "q_seq heads qk"],
-    k: Float[Array, "kv_seq kv_heads qk"],
-    v: Float[Array, "kv_seq kv_heads dv"],
-    zeta: Float[Array, "q_seq heads dv"] | None,
-    visible: Bool[Array, "#kv_heads #group #q_seq kv_seq"] | None,
-    scale: float,
-    dims: Dims,
-    tilt: Tilt = _tilt,
-) -> Float[Array, "q_seq heads"]:
-    r"""$F_{i,h}(\zeta_{i,h}) = \log\sum_{a\ \mathrm{visible}} \exp(s\,q_{i,h}\cdot k_{a,g(h)} +
-    \zeta_{i,h}\cdot v_{a,g(h)})$ for every query $i$ and head $h$, in at least float32.
-
-    Query head $h$ reads key/value head $g(h) = \lfloor h / (\mathrm{heads}/\mathrm{kv\_heads})
-    \rfloor$ (GQA/MQA) without copying K or V. `zeta=None` means ζ = 0. A non-finite key or
-    value that the query does not see has no effect (see `finite_kv`).
-    """
-    ct = compute_dtype(q.dtype)
-    k, v, bad = finite_kv(k, v)
-    logits = scaled_logits(q, k, dims, scale)
-    if zeta is not None:
-        logits = logits + tilt(to_rows(zeta.astype(ct), dims), v.astype(ct))
-    logits = bad_logits(logits, bad)
-    shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
-    lse = masked_logsumexp(logits.reshape(shape), visible)  # [kv_heads, group, q_seq]
-    return lse.reshape(dims.heads, dims.q_seq).T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +289,8 @@ def multihead_free_energy(
       \mathrm{right}$; an int `w` is `(w, w)`. Combined with `causal` and `mask` by "and".
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
     - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
-      gradient (a custom VJP). By default an energy other than `Softmax()` does so by itself
-      above 2^24 logits; `Softmax()` runs its dedicated path unless `block_size` is given.
+      gradient (a custom VJP). By default every energy does so by itself above 2^24
+      logits.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
@@ -351,23 +332,12 @@ def _multihead(
     window = check_window(fn, local_window_size)
     check_energy(fn, energy)
     check_block_size(fn, block_size)
-    if block_size is not None or not is_plain_softmax(energy):
-        from ._generic import total_energy
+    from ._generic import total_energy
 
-        q_pos = as_position(q_offset)
-        mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
-        kw = {"causal": causal, "scale": scale, "block_size": block_size}
-        return total_energy(energy, q, k, v, zeta, mask, q_pos, **kw)
-    return _total_energy(
-        q, k, v, zeta, mask, as_position(q_offset), causal=causal, scale=scale, window=window
-    )
-
-
-def _too_big(q, k) -> bool:
-    """Whether the materialised logits exceed the size above which evaluation is blockwise."""
-    from ._blockwise import choose_block
-
-    return choose_block(dims_of(q, k, k), None) is not None
+    q_pos = as_position(q_offset)
+    mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
+    kw = {"causal": causal, "scale": scale, "block_size": block_size}
+    return total_energy(energy, q, k, v, zeta, mask, q_pos, **kw)
 
 
 def _with_window(mask, window, q_seq, kv_seq, q_offset):
@@ -378,15 +348,6 @@ def _with_window(mask, window, q_seq, kv_seq, q_offset):
     a = jnp.arange(kv_seq)[None, :]
     inside = (a >= i - window[0]) & (a <= i + window[1])
     return inside if mask is None else jnp.logical_and(mask, inside)
-
-
-# The public functions validate their arguments, then call a jitted core: called eagerly they
-# compile once per shape (rather than op by op), and a new `q_offset` does not recompile.
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
-def _total_energy(q, k, v, zeta, mask, q_offset, *, causal, scale, window=None) -> Array:
-    dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
-    return jnp.sum(energy_terms(q, k, v, zeta, vis, default_scale(dims.qk, scale), dims))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,29 +400,18 @@ def energy_attention(
     window = check_window("energy_attention", local_window_size)
     check_energy("energy_attention", energy)
     check_block_size("energy_attention", block_size)
-    if block_size is not None or not is_plain_softmax(energy) or _too_big(q, k):
-        from ._generic import attention
-
-        kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
-        return attention(energy, q, k, v, mask, as_position(q_offset), **kw)
-    return _energy_attention(
-        q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
-    )
+    kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
+    return _energy_attention(energy, q, k, v, mask, as_position(q_offset), **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
-def _energy_attention(q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
-    dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
-    s = default_scale(dims.qk, scale)
-    zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
+# The public functions validate their arguments, then call a jitted core: called eagerly they
+# compile once per shape (rather than op by op), and a new `q_offset` does not recompile.
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
+def _energy_attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size, window):
+    from ._generic import attention
 
-    def total(zeta):
-        return jnp.sum(energy_terms(q, k, v, zeta, vis, s, dims, tilt=_tilt_at_zero))
-
-    with jax.named_scope("energy_attention"):
-        out = jax.grad(total)(zeta)
-    return out.astype(q.dtype)
+    kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
+    return attention(energy, q, k, v, mask, q_offset, **kw)
 
 
 def attention_reference(
@@ -474,12 +424,21 @@ def attention_reference(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
-    r"""Softmax attention written out in float32: the twin of
+    r"""Attention written out in float32: the twin of
     [`energy_attention`][treeattn.energy.energy_attention], with the same signature.
 
+    With the default `Softmax()`, the softmax in closed form,
+
     $$z_{i,h} = \sum_a \frac{e^{s\,q_{i,h}\cdot k_{a,g(h)}}}{\sum_b e^{s\,q_{i,h}\cdot
-      k_{b,g(h)}}}\, v_{a,g(h)}$$
+      k_{b,g(h)}}}\, v_{a,g(h)}.$$
+
+    With another `energy`, from the energy's own definition key by key: its logits $x_a$ and
+    elements $e(x_a, t_a)$ are materialised for a tilt $t_a$ per key, the monoid folds them one
+    key at a time in key order (after the once-only term), and the weight of key $a$ is
+    $w_a = \partial F/\partial t_a$ at $t = 0$, so that $z = \sum_a w_a v_a$ (meant for
+    small shapes: the fold is sequential in the keys).
 
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs; 0 for a query with no visible
     key.
@@ -487,9 +446,11 @@ def attention_reference(
     check_multihead("attention_reference", q, k, v, mask=mask, scale=scale)
     check_q_offset("attention_reference", q_offset)
     window = check_window("attention_reference", local_window_size)
-    return _attention_reference(
-        q, k, v, mask, as_position(q_offset), causal=causal, scale=scale, window=window
-    )
+    check_energy("attention_reference", energy)
+    kw = {"causal": causal, "scale": scale, "window": window}
+    if is_plain_softmax(energy):
+        return _attention_reference(q, k, v, mask, as_position(q_offset), **kw)
+    return _energy_reference(energy, q, k, v, mask, as_position(q_offset), **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
@@ -509,4 +470,36 @@ def _attention_reference(q, k, v, mask, q_offset, *, causal, scale, window=None)
     p = p / jnp.where(denom == 0, 1.0, denom)
     rows = dims.kv_heads, dims.rows, dims.kv_seq
     out = jnp.einsum("kms,skv->kmv", p.reshape(rows), v.astype(ct))
+    return from_rows(out, dims).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
+def _energy_reference(energy, q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
+    dims = dims_of(q, k, v)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
+    ct = compute_dtype(q.dtype)
+    ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
+    k, v, bad = finite_kv(k, v)
+    x = bad_logits(energy.logits(to_rows(q.astype(ct), dims), k.astype(ct), ctx), bad)
+    rows = (dims.kv_heads, dims.rows, dims.kv_seq)
+    seen = rows_visibility(vis, dims)
+    seen = jnp.ones(rows, bool) if seen is None else jnp.broadcast_to(seen, rows)
+    x = jnp.where(seen, x, jnp.zeros((), x.dtype))  # a hidden key's logit never reaches F
+    monoid = energy.monoid
+
+    def total(tilt: Array) -> Array:
+        e = energy.elements(x, tilt, ctx)
+        empty = monoid.lift(jax.tree.map(lambda t: t[..., :0], e), None)
+
+        def step(state, key):
+            e_a, seen_a = key
+            one = monoid.lift(jax.tree.map(lambda t: t[..., None], e_a), seen_a[..., None])
+            return monoid.combine(state, one), None
+
+        keys = (jax.tree.map(lambda t: jnp.moveaxis(t, -1, 0), e), jnp.moveaxis(seen, -1, 0))
+        state, _ = lax.scan(step, combine_once(energy, empty, ctx), keys)
+        return jnp.sum(energy.readout(state, ctx))
+
+    w = jax.grad(total)(jnp.zeros(rows, ct))  # the weight of every key, [kv_heads, rows, kv]
+    out = jnp.einsum("kms,skv->kmv", w, v.astype(ct))
     return from_rows(out, dims).astype(q.dtype)

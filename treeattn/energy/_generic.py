@@ -84,7 +84,11 @@ def readout(energy: Energy, state, ctx: Context):
     return lse_from_rows(energy.readout(combine_once(energy, state, ctx), ctx), ctx.dims)
 
 
-def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None) -> Array:
+def free_energy_terms(
+    energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None
+) -> Array:
+    """$F$ of every (query, head), `[q_seq, heads]`, blockwise when `choose_block` picks a
+    block (see `total_energy`), else from the materialised logits."""
     dims = dims_of(q, k, v)
     from ._blockwise import blockwise, choose_block
 
@@ -100,8 +104,8 @@ def _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
 def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None):
-    terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
-    return jnp.sum(terms)
+    args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
+    return jnp.sum(free_energy_terms(*args))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
@@ -123,7 +127,7 @@ def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
     def total(zeta):
-        terms = _terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
+        terms = free_energy_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
         return jnp.sum(terms)
 
     with jax.named_scope("energy_attention"):
@@ -136,7 +140,8 @@ def cumulant(energy, q, k, v, mask, q_offset, *, order, causal, scale):
 
     def total(zeta):
         # Forward mode (the higher derivatives) needs the materialised form: block_size=0.
-        return jnp.sum(_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0))
+        args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
+        return jnp.sum(free_energy_terms(*args))
 
     def mean_field(u):
         return jax.grad(total)(jnp.broadcast_to(u, (dims.q_seq, dims.heads, dims.dv)))
@@ -164,6 +169,18 @@ class Sharded:
     axis_name: AxisName
     reduction: Reduction
     at_zero: bool
+
+
+def _like(g: Array, x: Array, mesh) -> Array:
+    """`g` with the sharding type of `x` (for inputs sharded over Explicit mesh axes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    abstract = getattr(sharding, "mesh", None)
+    if sharding is None or abstract is None or abstract.empty:
+        return g
+    if explicit is None or explicit not in tuple(abstract.axis_types):
+        return g
+    return jax.sharding.reshard(g, jax.sharding.NamedSharding(mesh, sharding.spec))
 
 
 def _zero_cotangent(x):
@@ -337,6 +354,9 @@ def _mesh_terms_bwd(plan, res, ct):
     d_energy, grads = plan.sharding.shard_map(local, (P(), specs, P(axis), P()), out_specs)(
         energy, args, saved, ct
     )
+    # On a mesh with Explicit axes each cotangent takes the sharding type of its input.
+    mesh = plan.sharding.user_mesh
+    grads: dict[str, Any] = {name: _like(g, args[name], mesh) for name, g in grads.items()}
     for name in ("q_offset", "mask"):
         if name in args:
             grads[name] = _zero_cotangent(args[name])

@@ -35,7 +35,9 @@ from .._numerics import (
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, check_source, dims_of
-from ._free_energy import bad_logits, energy_terms, finite_kv, scaled_logits
+from ._energies import SOFTMAX
+from ._free_energy import bad_logits, finite_kv, scaled_logits
+from ._generic import free_energy_terms
 
 
 def log_likelihood(
@@ -79,7 +81,7 @@ def _log_likelihood(zeta, z, q, k, v, mask, q_offset, *, causal, scale) -> Array
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
     ct = compute_dtype(q.dtype)
     live = nonempty(dims, vis)
-    f = energy_terms(q, k, v, zeta, vis, default_scale(dims.qk, scale), dims)
+    f = free_energy_terms(SOFTMAX, q, k, v, zeta, mask, q_offset, causal, scale, False)
     zeta_c, z_c = zeta.astype(ct), z.astype(ct)
     return jnp.sum(jnp.where(live, jnp.sum(z_c * zeta_c, axis=-1) - f, 0.0))
 

@@ -8,16 +8,11 @@ moment, and so on.
 
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import as_position, compute_dtype, default_scale, visibility
-from ._checks import check_multihead, check_q_offset, dims_of
-from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
-from ._free_energy import _tilt_at_zero, energy_terms
+from .._numerics import as_position
+from ._checks import check_multihead, check_q_offset
+from ._energies import SOFTMAX, Energy, check_energy
 
 
 def value_moments(
@@ -59,36 +54,10 @@ def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset, energy) -> Arra
     check_multihead(fn, q, k, v, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     check_energy(fn, energy)
-    if not is_plain_softmax(energy):
-        from ._generic import cumulant
+    from ._generic import cumulant
 
-        q_pos = as_position(q_offset)
-        return cumulant(energy, q, k, v, mask, q_pos, order=order, causal=causal, scale=scale)
-    return _cumulant_jit(
-        q, k, v, mask, as_position(q_offset), order=order, causal=causal, scale=scale
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("order", "causal", "scale"))
-def _cumulant_jit(q, k, v, mask, q_offset, *, order, causal, scale) -> Array:
-    dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
-    s = default_scale(dims.qk, scale)
-    ct = compute_dtype(q.dtype)
-
-    def total(zeta):
-        return jnp.sum(energy_terms(q, k, v, zeta, vis, s, dims, tilt=_tilt_at_zero))
-
-    def mean_field(u: Array) -> Array:
-        zeta = jnp.broadcast_to(u, (dims.q_seq, dims.heads, dims.dv))
-        return jax.grad(total)(zeta)
-
-    derivative = mean_field
-    for _ in range(order - 1):
-        derivative = jax.jacfwd(derivative)
-    with jax.named_scope("value_moments"):
-        out = derivative(jnp.zeros((dims.dv,), ct))
-    return out.astype(q.dtype)
+    q_pos = as_position(q_offset)
+    return cumulant(energy, q, k, v, mask, q_pos, order=order, causal=causal, scale=scale)
 
 
 def value_covariance(

@@ -9,109 +9,17 @@ holds for every reduction schedule.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Dims, Window, check_window, compute_dtype, default_scale, visibility
+from .._numerics import check_window, compute_dtype, default_scale
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
-from ._energies import SOFTMAX, Energy, check_energy, is_plain_softmax
-from ._sharded import _float0_like, _like, _local_grads, _local_terms
-
-
-@dataclasses.dataclass(frozen=True)
-class _OnMesh:
-    """Static configuration of one energy of global arrays sharded over a mesh (hashable: a
-    custom_vjp static argument)."""
-
-    sharding: SequenceSharding
-    local: Dims  # sizes of one device's shard
-    scale: float
-    causal: bool
-    reduction: Reduction
-    zeta_at_zero: bool
-    window: Window | None = None
-
-    @property
-    def axis_name(self) -> AxisName:
-        return self.sharding.axis_name
-
-    def specs(self, args: dict) -> dict:
-        seq = self.sharding.spec(3, 0)
-        specs = {"q": P(), "k": seq, "v": seq, "zeta": P(), "q_offset": P()}
-        if "mask" in args:
-            specs["mask"] = self.sharding.spec(args["mask"].ndim, args["mask"].ndim - 1)
-        return specs
-
-    def shard_map(self, fn, in_specs, out_specs):
-        return self.sharding.shard_map(fn, in_specs, out_specs)
-
-    def visible(self, a: dict):
-        kv_offset = lax.axis_index(self.axis_name) * self.local.kv_seq
-        return visibility(
-            self.local,
-            causal=self.causal,
-            mask=a.get("mask"),
-            q_offset=a["q_offset"],
-            kv_offset=kv_offset,
-            window=self.window,
-        )
-
-    def static(self):
-        return (self.local, self.scale, self.axis_name, self.reduction, self.zeta_at_zero)
-
-
-def _forward(plan: _OnMesh, args: dict) -> Array:
-    def local(a):
-        return _local_terms(a["q"], a["k"], a["v"], a["zeta"], plan.visible(a), *plan.static())
-
-    return plan.shard_map(local, (plan.specs(args),), P())(args)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mesh_terms(plan: _OnMesh, args: dict) -> Array:
-    """F_{i,h} of globally sharded arrays: Algorithm 1 in one shard_map, Algorithm 2 in another.
-
-    The gradient is defined here, outside the shard_maps, so it holds for every schedule
-    (including the butterfly, whose shard_map runs without the replication checker).
-    """
-    return _forward(plan, args)
-
-
-def _mesh_terms_fwd(plan: _OnMesh, args: dict):
-    f = _forward(plan, args)
-    return f, (args, f)
-
-
-def _mesh_terms_bwd(plan: _OnMesh, res, ct):
-    args, f = res
-
-    def local(a, f, ct):
-        grads = _local_grads(
-            a["q"], a["k"], a["v"], a["zeta"], plan.visible(a), f, ct, *plan.static()
-        )
-        return dict(zip(("q", "k", "v", "zeta"), grads, strict=True))
-
-    specs = plan.specs(args)
-    out_specs = {name: specs[name] for name in ("q", "k", "v", "zeta")}
-    grads = plan.shard_map(local, (specs, P(), P()), out_specs)(args, f, ct)
-    cotangents: dict[str, Any] = {
-        name: _like(g, args[name], plan.sharding.user_mesh) for name, g in grads.items()
-    }
-    for name in ("q_offset", "mask"):
-        if name in args:
-            cotangents[name] = _float0_like(args[name])
-    return (cotangents,)
-
-
-_mesh_terms.defvjp(_mesh_terms_fwd, _mesh_terms_bwd)
+from ._energies import SOFTMAX, Energy, check_energy
+from ._generic import mesh_attention, mesh_total, on_mesh_plan
 
 
 def _setup(
@@ -147,8 +55,10 @@ def _setup(
         else:
             mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
-    plan = _OnMesh(
-        sharding, local, default_scale(dims.qk, scale), causal, reduction, zeta_at_zero, window
+    scale = default_scale(dims.qk, scale)
+    has_mask = mask is not None
+    plan = on_mesh_plan(
+        sharding, local, dims.kv_seq, scale, causal, reduction, zeta_at_zero, has_mask, window
     )
     if zeta is None:
         zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
@@ -206,34 +116,7 @@ def tree_free_energy(
         local_window_size=local_window_size,
     )
     check_energy("tree_free_energy", energy)
-    if not is_plain_softmax(energy):
-        from ._generic import mesh_total
-
-        return mesh_total(_generic_plan(plan, k, args), energy, args)
-    return _energy(plan, args)
-
-
-def _generic_plan(plan: _OnMesh, k, args: dict):
-    """The plan of the energy's general path; the window applies by absolute position on
-    every shard, as for softmax."""
-    from ._generic import on_mesh_plan
-
-    return on_mesh_plan(
-        plan.sharding,
-        plan.local,
-        k.shape[0],
-        plan.scale,
-        plan.causal,
-        plan.reduction,
-        plan.zeta_at_zero,
-        "mask" in args,
-        plan.window,
-    )
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _energy(plan: _OnMesh, args: dict) -> Array:
-    return jnp.sum(_mesh_terms(plan, args))
+    return mesh_total(plan, energy, args)
 
 
 def tree_energy_attention(
@@ -278,17 +161,4 @@ def tree_energy_attention(
         local_window_size=local_window_size,
     )
     check_energy("tree_energy_attention", energy)
-    if not is_plain_softmax(energy):
-        from ._generic import mesh_attention
-
-        return mesh_attention(_generic_plan(plan, k, args), energy, args).astype(q.dtype)
-    return _attention(plan, args).astype(q.dtype)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _attention(plan: _OnMesh, args: dict) -> Array:
-    def total(zeta):
-        return jnp.sum(_mesh_terms(plan, {**args, "zeta": zeta}))
-
-    with jax.named_scope("tree_energy_attention"):
-        return jax.grad(total)(args["zeta"])
+    return mesh_attention(plan, energy, args).astype(q.dtype)
