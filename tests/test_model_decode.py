@@ -43,6 +43,12 @@ def model_of(dtype=jnp.float32):
     return Transformer(CONFIG, dtype=dtype, key=jax.random.key(0))
 
 
+@eqx.filter_jit
+def full_pass(model, tokens):
+    """One causal pass over `tokens`, no cache, on the reference backend (compiled once)."""
+    return model(tokens, backend="reference")
+
+
 def compiled_step(model, cache, backend):
     params, static = eqx.partition(model, eqx.is_array)
     token = jnp.zeros((1,), jnp.int32)
@@ -171,7 +177,7 @@ def test_decode_step_donates_the_cache():
 def test_both_layouts_give_the_logits_of_one_full_pass(backend, layout, getkey):
     model = model_of()
     tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
-    full = model(tokens, backend="reference")
+    full = full_pass(model, tokens)
     be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
     mesh = be.mesh if be.name == "tree" else None
     cache = model.init_cache(32, mesh=mesh, kv_axis="kv" if mesh else None, block=2, layout=layout)
@@ -278,7 +284,7 @@ def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
     filled (some empty, one partly filled); the ring baseline too."""
     model = model_of()
     tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
-    full = model(tokens, backend="reference")
+    full = full_pass(model, tokens)
     backend = tree(p, name)
     for n in (1, 5, 11):
         cache = model.init_cache(32, mesh=backend.mesh, kv_axis="kv", block=2)
