@@ -83,9 +83,9 @@ def test_every_size_distinct(backend, getkey):
         q = jax.random.uniform(getkey(), (q_seq, 3))
         kk = jax.random.uniform(getkey(), (kv_seq, 5))
         v = jax.random.uniform(getkey(), (kv_seq, 7))
-        out = ours(q, kk, v)
+        out = eqx.filter_jit(ours)(q, kk, v)
         assert not isinstance(out, tuple) and out.shape == (q_seq, 11)
-        assert_close(out, theirs(q, kk, v))
+        assert_close(out, eqx.filter_jit(theirs)(q, kk, v))
 
 
 def integer_weights(backend):
@@ -114,7 +114,8 @@ def test_known_values_with_integer_weights_masked(backend):
     x = jnp.arange(1, 13, dtype=jnp.float32).reshape(3, 4)
     first = jnp.array([True, False, False])
     for mask in (jnp.broadcast_to(first, (2, 3, 3)), jnp.broadcast_to(first, (3, 3))):
-        np.testing.assert_allclose(attn(x, x, x, mask), jnp.broadcast_to(row, (3, 4)), rtol=1e-6)
+        out = eqx.filter_jit(attn)(x, x, x, mask)
+        np.testing.assert_allclose(out, jnp.broadcast_to(row, (3, 4)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -133,9 +134,10 @@ def test_attention_weights_by_hand(backend):
     q = jnp.array([[0.0, 2**0.5]])
     k = jnp.eye(2)
     v = jnp.array([[1.0], [0.0]])
-    np.testing.assert_allclose(attn(q, k, v), [[1 / (1 + np.e)]], rtol=1e-6)
+    np.testing.assert_allclose(eqx.filter_jit(attn)(q, k, v), [[1 / (1 + np.e)]], rtol=1e-6)
     if backend in MASK_BACKENDS:
-        np.testing.assert_allclose(attn(q, k, v, jnp.array([[True, False]])), [[1.0]], rtol=1e-6)
+        out = eqx.filter_jit(attn)(q, k, v, jnp.array([[True, False]]))
+        np.testing.assert_allclose(out, [[1.0]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -263,7 +265,7 @@ def test_random_masks_and_biases_match_equinox(backend, biases, mask_kind, getke
         mask = jax.random.bernoulli(getkey(), 0.7, (7, 9)).at[:, 0].set(True)
     elif mask_kind == "3d":
         mask = jax.random.bernoulli(getkey(), 0.7, (4, 7, 9)).at[..., 0].set(True)
-    assert_close(ours(q, kk, v, mask), theirs(q, kk, v, mask))
+    assert_close(eqx.filter_jit(ours)(q, kk, v, mask), eqx.filter_jit(theirs)(q, kk, v, mask))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -45,6 +45,12 @@ def model_of(dtype=jnp.float32):
     return Transformer(CONFIG, dtype=dtype, key=jax.random.key(0))
 
 
+@eqx.filter_jit
+def full_pass(model, tokens):
+    """One causal pass over `tokens`, no cache, on the reference backend (compiled once)."""
+    return model(tokens, backend="reference")
+
+
 def compiled_step(model, cache, backend):
     params, static = eqx.partition(model, eqx.is_array)
     token = jnp.zeros((1,), jnp.int32)
@@ -182,30 +188,33 @@ def test_decode_step_donates_the_cache():
     assert int(cache.length) == 6
 
 
+# Each cache layout through each kind of backend (energy / reference, flash, tree).
 @pytest.mark.parametrize(
-    "backend",
-    ["energy", "reference", "flash", AttentionBackend("flash", kernel="xla"), tree(2), tree(4)],
+    "backend, layout",
+    [
+        ("energy", "bhsd"),
+        ("reference", "bshd"),
+        ("flash", "bhsd"),
+        (AttentionBackend("flash", kernel="xla"), "bshd"),
+        (tree(2), "bhsd"),
+        (tree(4), "bshd"),
+    ],
     ids=["energy", "reference", "flash-auto", "flash-xla", "tree-2", "tree-4"],
 )
-def test_both_layouts_give_the_logits_of_one_full_pass(backend, getkey):
+def test_both_layouts_give_the_logits_of_one_full_pass(backend, layout, getkey):
     model = model_of()
     tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
-    full = model(tokens, backend="reference")
+    full = full_pass(model, tokens)
     be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
     mesh = be.mesh if be.name == "tree" else None
-    for layout in ("bhsd", "bshd"):
-        cache = model.init_cache(
-            32, mesh=mesh, kv_axis="kv" if mesh else None, block=2, layout=layout
-        )
-        assert cache.layout == layout
-        logits, cache = prefill(model, tokens[:9], cache, backend=backend)
-        steps = [logits]
-        for t in tokens[9:]:
-            step, cache = decode_step(model, t, cache, backend=backend)
-            steps.append(step[None])
-        np.testing.assert_allclose(
-            jnp.concatenate(steps), full, rtol=1e-5, atol=1e-5, err_msg=layout
-        )
+    cache = model.init_cache(32, mesh=mesh, kv_axis="kv" if mesh else None, block=2, layout=layout)
+    assert cache.layout == layout
+    logits, cache = prefill(model, tokens[:9], cache, backend=backend)
+    steps = [logits]
+    for t in tokens[9:]:
+        step, cache = decode_step(model, t, cache, backend=backend)
+        steps.append(step[None])
+    np.testing.assert_allclose(jnp.concatenate(steps), full, rtol=1e-5, atol=1e-5, err_msg=layout)
 
 
 def test_unstacking_keeps_the_model():
@@ -302,7 +311,7 @@ def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
     filled (some empty, one partly filled); the ring baseline too."""
     model = model_of()
     tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
-    full = model(tokens, backend="reference")
+    full = full_pass(model, tokens)
     backend = tree(p, name)
     for n in (1, 5, 11):
         cache = model.init_cache(32, mesh=backend.mesh, kv_axis="kv", block=2)

@@ -50,6 +50,12 @@ def small_model(dtype=jnp.float32):
     return Transformer(SMALL, dtype=dtype, key=jax.random.key(0))
 
 
+@eqx.filter_jit
+def full_pass(model, tokens):
+    """One causal pass over `tokens`, no cache, on the reference backend (compiled once)."""
+    return model(tokens, backend="reference")
+
+
 # ---------------------------------------------------------------------------------------------
 # MultiheadAttention as a drop-in for equinox.nn.MultiheadAttention
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +100,7 @@ def test_sliding_window_against_numpy_and_through_the_cache(backend, getkey):
         expected = (
             ref.attention(q, k, v, mask=seen).reshape(11, 16) @ ref.f64(mha.output_proj.weight).T
         )
-        assert ref.rel_err(mha(x, x, x), expected) <= 1e-5, (causal, window)
+        assert ref.rel_err(eqx.filter_jit(mha)(x, x, x), expected) <= 1e-5, (causal, window)
     windowed = MultiheadAttention(
         4, 16, num_kv_heads=2, causal=True, local_window_size=(3, 0), rotary=RotaryEmbedding(4),
         backend=be, key=getkey(),
@@ -103,9 +109,10 @@ def test_sliding_window_against_numpy_and_through_the_cache(backend, getkey):
     cache = KVCache.create(2, 16, 4, mesh=mesh, kv_axis="kv" if mesh else None, block=2)
     outs = []
     for chunk in (x[:4], x[4:5], x[5:]):  # a prefill, a step, a chunk across the window
-        out, cache = windowed(chunk, chunk, chunk, cache=cache)
+        out, cache = eqx.filter_jit(windowed)(chunk, chunk, chunk, cache=cache)
         outs.append(out)
-    np.testing.assert_allclose(jnp.concatenate(outs), windowed(x, x, x), rtol=1e-5, atol=1e-6)
+    full = eqx.filter_jit(windowed)(x, x, x)
+    np.testing.assert_allclose(jnp.concatenate(outs), full, rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_is_refused_with_a_cache(getkey):
@@ -180,7 +187,7 @@ def run_decoding(model, tokens, n_prompt, backend, cache):
 def test_prefill_and_decode_logits_agree(backend, getkey):
     model = small_model()
     tokens = jax.random.randint(getkey(), (20,), 0, SMALL.vocab_size)
-    full = model(tokens, backend="reference")  # one causal pass, no cache
+    full = full_pass(model, tokens)  # one causal pass, no cache
     be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
     mesh = be.mesh if be.name == "tree" else None
     cache = model.init_cache(24, mesh=mesh, kv_axis=be.kv_axis if mesh else None, block=2)
@@ -195,7 +202,7 @@ def test_bfloat16_logits_within_tolerance(getkey):
         lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model32
     )
     tokens = jax.random.randint(getkey(), (16,), 0, SMALL.vocab_size)
-    full = model32(tokens, backend="reference")
+    full = full_pass(model32, tokens)
     for backend in ("energy", "flash", tree(4)):
         mesh = backend.mesh if isinstance(backend, AttentionBackend) else None
         cache = model16.init_cache(16, mesh=mesh, kv_axis="kv" if mesh else None, block=2)
