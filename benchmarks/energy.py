@@ -7,6 +7,11 @@ Baseline: `jax.nn.dot_product_attention` (XLA implementation on CPU), timed in t
 Also shown: `attention_reference` (the float32 twin) and the naive `jax.grad` of the free energy
 at zeta = 0, which pays for the product zeta.v that `energy_attention` skips.
 Targets: energy_attention within 1.15x of the baseline's time and 1.05x of its FLOPs.
+
+Above 2^24 logits (the default shape has 2^26) `energy_attention` is evaluated blockwise by
+itself, in a loop whose body `cost_analysis()` counts once; its FLOPs are therefore read from the
+same call with `block_size=0` (materialised, the same arithmetic in one piece), which is also
+timed. The naive gradient is materialised too: it is the cost being avoided.
 """
 
 from __future__ import annotations
@@ -31,17 +36,23 @@ def implementations(causal: bool):
     def energy(q, k, v):
         return energy_attention(q, k, v, causal=causal)
 
+    def materialised(q, k, v):
+        return energy_attention(q, k, v, causal=causal, block_size=0)
+
     def reference(q, k, v):
         return attention_reference(q, k, v, causal=causal)
 
     def naive(q, k, v):
         zeta = jnp.zeros(q.shape[:2] + v.shape[-1:], jnp.float32)
-        grad = jax.grad(multihead_free_energy, argnums=3)(q, k, v, zeta, causal=causal)
+        grad = jax.grad(multihead_free_energy, argnums=3)(
+            q, k, v, zeta, causal=causal, block_size=0
+        )
         return grad.astype(q.dtype)
 
     return {
         "dot_product_attention": dpa,
         "energy_attention": energy,
+        "energy_attention (b=0)": materialised,
         "attention_reference": reference,
         "naive grad F": naive,
     }
@@ -95,12 +106,12 @@ def main() -> None:
                     f"{r['median_s'] * 1e3:>7.1f}ms {r['compile_s']:>7.2f}s "
                     f"{r['flops'] / 1e9:>8.2f} {r['time_ratio']:>8.2f}x {r['flop_ratio']:>9.2f}x"
                 )
-            e = results["energy_attention"]
-            hit = e["time_ratio"] <= TIME_TARGET and e["flop_ratio"] <= FLOP_TARGET
+            e, m = results["energy_attention"], results["energy_attention (b=0)"]
+            hit = e["time_ratio"] <= TIME_TARGET and m["flop_ratio"] <= FLOP_TARGET
             ok &= hit
             print(
                 f"{'':<17} energy_attention targets (time <= {TIME_TARGET}x, "
-                f"FLOPs <= {FLOP_TARGET}x): {'met' if hit else 'MISSED'}"
+                f"FLOPs of b=0 <= {FLOP_TARGET}x): {'met' if hit else 'MISSED'}"
             )
     path = write_json("energy", {"machine": machine(), "args": vars(args), "rows": rows})
     print(f"\nwrote {path}")
