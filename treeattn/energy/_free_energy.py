@@ -14,12 +14,10 @@ so one gradient gives every output.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
@@ -48,58 +46,9 @@ from ._energies import (
 )
 
 
-Tilt = Callable[[Array, Array], Array]
-
-
 # ---------------------------------------------------------------------------------------------
 # The shared core
 # ---------------------------------------------------------------------------------------------
-
-
-def _tilt(zeta: Array, v: Array) -> Array:
-    """The source term ζ·v_a of every (kv head, query row, key): zeta in the rows layout."""
-    return jnp.einsum("kmv,skv->kms", zeta, v)
-
-
-def _zero_like(x: Array) -> Array:
-    """Zeros of the shape of `x` that still depend on its entries (selected, never computed
-    from them: exactly 0 whatever `x` holds), so they vary wherever `x` does — along a `vmap`
-    batch axis, and across the devices of a `shard_map`."""
-    return lax.select(jnp.zeros(x.shape, jnp.bool_), x, jnp.zeros_like(x))
-
-
-@jax.custom_jvp
-def _tilt_at_zero(zeta: Array, v: Array) -> Array:
-    r"""The tilt $\zeta\cdot v_a$ `[kv_heads, rows, kv]` at the point $\zeta = 0$, which the
-    caller knows at trace time, without the product.
-
-    The value there is 0, so the product is not computed; the derivative in $\zeta$ is the
-    exact one ($v_a$), and the one in $v$, $\zeta\cdot\dot v_a$, vanishes at $\zeta = 0$. This
-    saves a third of the FLOPs of `jax.grad` of the free energy while keeping it a gradient of
-    $F$; exact to every order in which $\zeta$ is differentiated first (attention and then
-    anything; cumulants).
-
-    The zeros depend on the entries of both arguments because the tangent
-    $\dot\zeta\cdot v_a$ does: under `vmap` a custom JVP's output must be batched wherever its
-    tangent is, and JAX fixes the output's batching before it runs the JVP rule (inside `jit`,
-    when it linearises later), so zeros batched like neither argument would break
-    differentiation in $v$ of a batched attention. The same dependence carries the
-    device-variance inside `shard_map`.
-    """
-    return _zero_like(zeta[:, :, :1]) + _zero_like(v[:, :, 0]).T[:, None, :]
-
-
-def _tilt_at_zero_jvp(primals, tangents):
-    zeta, v = primals
-    dzeta, _ = tangents
-    out = _tilt_at_zero(zeta, v)
-    if isinstance(dzeta, SymbolicZero):
-        # Differentiating in q, k, v or the energy only: the tilt stays 0, not a product.
-        return out, jnp.zeros_like(out)
-    return out, _tilt(dzeta, v)
-
-
-_tilt_at_zero.defjvp(_tilt_at_zero_jvp, symbolic_zeros=True)
 
 
 def finite_kv(

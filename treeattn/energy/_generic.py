@@ -2,7 +2,7 @@ r"""One evaluation path for every `Energy`: local, sharded inside `shard_map`, a
 
 Per query row the free energy is the energy's readout of its monoid's reduction of the per-key
 elements. Attention is `jax.grad` in $\zeta$ at $\zeta = 0$ (the tilt $\zeta\cdot v$ is not
-computed there: `_tilt_at_zero`), cumulants are higher derivatives. Across devices each shard
+computed there: `tilt_at_zero`), cumulants are higher derivatives. Across devices each shard
 lifts its keys to a state, the monoid's collective schedule merges the states, and the
 gradient is the paper's Algorithm 2 for any monoid: the pullback of the merged state to a
 device's own state needs no communication, so the gradient costs one reduction more (of the
@@ -29,6 +29,8 @@ from .._numerics import (
     default_scale,
     lse_from_rows,
     rows_visibility,
+    tilt as tilt_of,
+    tilt_at_zero,
     to_rows,
     visibility,
 )
@@ -36,7 +38,7 @@ from .._partials import AxisName, Reduction, axis_size, sum_across
 from .._sharding import SequenceSharding
 from ._checks import dims_of
 from ._energies import Context, Energy, combine_once, make_context
-from ._free_energy import _tilt, _tilt_at_zero, _with_window, bad_logits, finite_kv
+from ._free_energy import _with_window, bad_logits, finite_kv
 
 
 def local_state(
@@ -63,7 +65,7 @@ def local_state(
         zeta = to_rows(zeta.astype(ct), dims)
         if scaled is not None:
             zeta = scaled[0][..., None] * zeta
-        tilt = (_tilt_at_zero if at_zero else _tilt)(zeta, v.astype(ct))
+        tilt = (tilt_at_zero if at_zero else tilt_of)(zeta, v.astype(ct))
     # At zeta = 0 an energy whose hidden elements are the identity is lifted without a mask.
     unmasked = at_zero and zeta is not None and energy._hides_itself()
     e, lift_vis = elements(x, tilt), None if unmasked else vis_rows

@@ -13,8 +13,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
@@ -28,6 +26,7 @@ from .._numerics import (
     default_scale,
     from_rows,
     rows_visibility,
+    tilt_at_zero,
     to_rows,
     visibility,
 )
@@ -352,33 +351,6 @@ def _energy_mask(vis, dims: Dims):
     return jnp.broadcast_to(vis[0, 0], (dims.q_seq, dims.kv_seq))
 
 
-def _zero_like(x):
-    """Zeros of the shape of `x`, selected (never computed) from its entries, so that they are
-    batched and device-varying wherever `x` is."""
-    return lax.select(jnp.zeros(x.shape, jnp.bool_), x, jnp.zeros_like(x))
-
-
-@jax.custom_jvp
-def _tilt_at_zero(zeta, v):
-    r"""The tilt $\zeta\cdot v_a$ `[kv_heads, rows, kv]` of head-major values `v[kv_heads, kv,
-    dv]` at the point $\zeta = 0$, which the caller knows: zeros, not a product (XLA does not
-    fold a product with zeros away, and would read V for it). The derivative in $\zeta$ is the
-    exact one, $v_a$ (the one read of V under `jax.grad`); the one in $v$ vanishes at 0."""
-    return _zero_like(zeta[:, :, :1]) + _zero_like(v[:, :, 0])[:, None, :]
-
-
-def _tilt_at_zero_jvp(primals, tangents):
-    zeta, v = primals
-    dzeta, _ = tangents
-    out = _tilt_at_zero(zeta, v)
-    if isinstance(dzeta, SymbolicZero):
-        return out, jnp.zeros_like(out)
-    return out, jnp.einsum("kmd,ksd->kms", dzeta, v)
-
-
-_tilt_at_zero.defjvp(_tilt_at_zero_jvp, symbolic_zeros=True)
-
-
 def _energy_in_place(
     q,
     k,
@@ -438,7 +410,7 @@ def _energy_in_place(
         x = e.logits(qr, k_logits, ctx)
         if vis_rows is not None:
             x = jnp.where(vis_rows, x, jnp.zeros((), x.dtype))
-        tilt = _tilt_at_zero(zeta, v_heads)  # 0, not a product; its gradient reads V once
+        tilt = tilt_at_zero(zeta, v_heads, True)  # 0, not a product; its gradient reads V once
         state = e.monoid.lift(e.elements(x, tilt, ctx), vis_rows)
         once = e.once(ctx)
         if once is not None:  # a sink: once per query row
