@@ -238,7 +238,7 @@ def multihead_free_energy(
       \mathrm{right}$; an int `w` is `(w, w)`. Combined with `causal` and `mask` by "and".
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
     - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
-      gradient (a custom VJP). By default every energy does so by itself above 2^24
+      gradient (a custom VJP). By default every energy does so by itself above 2^26
       logits.
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
@@ -330,7 +330,7 @@ def energy_attention(
 
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
     `zeta`. With another `energy`, the output is that energy's $\partial F/\partial\zeta$ at 0
-    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]). Above 2^24
+    (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]). Above 2^26
     logits, or with `block_size`, every energy (the default too) is evaluated in tiles of
     queries and keys with a custom VJP of its own, so that training through the output holds
     O(N d) memory rather than the logits (see the energies page).
