@@ -425,6 +425,39 @@ def test_model_decode_step_lowers_for_cuda(path, dtype, monkeypatch):
 
 
 @cpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_batched_model_decode_step_lowers_for_cuda(dtype, monkeypatch):
+    """A vmapped decode step over rows of different cache lengths: each row's new token is
+    written by the cache's own batching rule (a slice update per row, on the bits of a 16-bit
+    cache), which must lower for CUDA as it does for the CPU."""
+    from treeattn.models import LlamaConfig, Transformer, decode_step
+    from treeattn.models._cache import empty_rows
+
+    monkeypatch.setattr(importlib.import_module("equinox._errors"), "EQX_ON_ERROR", "nan")
+    config = LlamaConfig(
+        vocab_size=72,
+        hidden_size=192,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = Transformer(config, dtype=dtype, key=jax.random.key(0))
+    cache = empty_rows(jax.eval_shape(lambda: model.init_cache(40)), 3)
+    params, static = eqx.partition((model, cache), eqx.is_array)
+    abstract = jax.tree.map(lambda x: S(x.shape, x.dtype), params)
+
+    def step(params, tokens):
+        model, cache = eqx.combine(params, static)
+        return jax.vmap(lambda t, c: decode_step(model, t, c))(tokens, cache)
+
+    text = lower(step, abstract, S((3,), jnp.int32))
+    assert_cuda_program(text)
+    assert "dynamic_update_slice" in text
+
+
+@cpu_only
 @pytest.mark.parametrize("devices_", [2, 4])
 def test_model_tree_decode_step_lowers_to_cudnn(cudnn, devices_, monkeypatch):
     """The same with the kernel cuDNN (bf16; its version checks stubbed by the fixture): the
