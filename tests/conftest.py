@@ -32,7 +32,7 @@ settings.register_profile("thorough", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # What runs only on XLA:CPU, or as several CPU processes on one machine.
-CPU_ONLY_MODULES = ("test_native.py", "test_multihost.py")
+CPU_ONLY_MODULES = ("test_native.py", "test_multihost.py", "test_cpu_kernel.py")
 CPU_ONLY_NAMES = ("cpu_kernel",)
 
 

@@ -3,11 +3,18 @@
 // compiler on first use (see _native.py).
 //
 // For each batch row and kv head, the query rows of that head (group * q_seq of them) walk the
-// keys in blocks of kBlock with an online softmax: the logits of a block (each key row read
-// once, while it is in L1, for all query rows), then the rescaled accumulation of p * v (each
-// value row read once). K and V are therefore streamed from memory exactly once, which is what
+// keys in blocks of kBlock with an online softmax: the logits of a block, then the rescaled
+// accumulation of p * v. K and V are therefore streamed from memory exactly once, which is what
 // decoding costs at best; XLA's dot kernels for the matrix-vector shapes of decoding ran at
 // about half that speed on the CPU where this was measured (see docs/decode.md).
+//
+// Both passes work in register tiles of the target's vector width (GCC/Clang vector
+// extensions, so one source serves AVX-512, AVX2 and SSE/NEON): the logits of kTile query rows
+// against 4 keys at a time (each K vector loaded once for the rows, each Q vector once for the
+// keys, the 4 * kTile dot products reduced together), and the values as kTile rows x NV vectors
+// of accumulators held in registers across the keys of a block. bfloat16 is widened as it is
+// loaded. A value row is read only if some query row gives it a nonzero weight, so masked
+// slots (and weights that underflow to 0) never touch V: NaN in a slot no query sees stays out.
 //
 // Work items (batch row, kv head) are shared between the calling thread and XLA's intra-op
 // thread pool through an atomic counter; the caller never waits for an item nobody started,
@@ -24,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -34,6 +42,31 @@ namespace {
 
 constexpr int64_t kBlock = 512;  // keys per block (measured: 32 -> 1.5x the read, 512 -> 1.2x)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The vector width of the target (-march=native): kLanes floats per register, and kTile query
+// rows per register tile (AVX-512 has 32 vector registers, AVX2 and SSE 16).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kTile = 4;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+constexpr int kTile = 2;
+#else
+constexpr int kLanes = 4;
+constexpr int kTile = 2;
+#endif
+
+typedef float vf32 __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// Lane permutations of two vectors with constant indices (Clang and GCC spell it differently).
+#if defined(__clang__)
+#define TREEATTN_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define TREEATTN_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi32{__VA_ARGS__})
+#endif
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) {  // bfloat16
@@ -54,6 +87,101 @@ inline void store(uint16_t* p, float x) {  // bfloat16, round to nearest even
   *p = static_cast<uint16_t>(bits >> 16);
 }
 
+// kLanes consecutive elements (unaligned), as float32.
+inline vf32 vload(const float* p) {
+  vf32 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline vf32 vload(const uint16_t* p) {  // bfloat16: the upper half of a float32
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vu32 bits = __builtin_convertvector(h, vu32) << 16;
+  vf32 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+inline void vstore(float* p, vf32 x) { std::memcpy(p, &x, sizeof x); }
+inline vf32 splat(float x) { return vf32{} + x; }
+inline vf32 as_float(vi32 x) {
+  vf32 y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+inline vi32 as_int(vf32 x) {
+  vi32 y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+// Lanes of a where mask (all ones or zeros per lane, as comparisons give) is set, else of b.
+inline vf32 select(vi32 mask, vf32 a, vf32 b) {
+  return as_float((mask & as_int(a)) | (~mask & as_int(b)));
+}
+
+inline float hsum(vf32 x) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += x[i];
+  return s;
+}
+
+// The sums of four vectors, reduced together: each step adds the two halves of a pair of
+// vectors into one vector, so 4 reductions take log2(kLanes) + 1 shuffle-adds, not 4 * that.
+inline void sum4(const vf32 (&x)[4], float* out) {
+#if defined(__AVX512F__)
+  const vf32 ab = TREEATTN_SHUFFLE(x[0], x[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                   23) +
+                  TREEATTN_SHUFFLE(x[0], x[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                   29, 30, 31);
+  const vf32 cd = TREEATTN_SHUFFLE(x[2], x[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                   23) +
+                  TREEATTN_SHUFFLE(x[2], x[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                   29, 30, 31);
+  // Quarters of 4 lanes: partial sums of x[0], x[1], x[2], x[3].
+  vf32 q = TREEATTN_SHUFFLE(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           TREEATTN_SHUFFLE(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  q += TREEATTN_SHUFFLE(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  q += TREEATTN_SHUFFLE(q, q, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  out[0] = q[0], out[1] = q[4], out[2] = q[8], out[3] = q[12];
+#elif defined(__AVX__)
+  const vf32 ab = TREEATTN_SHUFFLE(x[0], x[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                  TREEATTN_SHUFFLE(x[0], x[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  const vf32 cd = TREEATTN_SHUFFLE(x[2], x[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+                  TREEATTN_SHUFFLE(x[2], x[3], 4, 5, 6, 7, 12, 13, 14, 15);
+  vf32 q = TREEATTN_SHUFFLE(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+           TREEATTN_SHUFFLE(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  q += TREEATTN_SHUFFLE(q, q, 1, 0, 3, 2, 5, 4, 7, 6);
+  out[0] = q[0], out[1] = q[2], out[2] = q[4], out[3] = q[6];
+#else
+  const vf32 ab = TREEATTN_SHUFFLE(x[0], x[1], 0, 1, 4, 5) + TREEATTN_SHUFFLE(x[0], x[1], 2, 3, 6, 7);
+  const vf32 cd = TREEATTN_SHUFFLE(x[2], x[3], 0, 1, 4, 5) + TREEATTN_SHUFFLE(x[2], x[3], 2, 3, 6, 7);
+  const vf32 q = TREEATTN_SHUFFLE(ab, cd, 0, 2, 4, 6) + TREEATTN_SHUFFLE(ab, cd, 1, 3, 5, 7);
+  out[0] = q[0], out[1] = q[1], out[2] = q[2], out[3] = q[3];
+#endif
+}
+
+// exp(x) for x <= 0 (logits minus their running max): Cephes' single-precision polynomial
+// after a reduction by powers of 2 (relative error ~1e-7). Exactly 0 below -87.3 (and at
+// -inf, a masked logit), exactly 1 at 0, NaN for NaN.
+inline vf32 exp_nonpositive(vf32 x) {
+  const vi32 tiny = x < splat(-87.3f);
+  const vf32 xc = select(tiny, splat(-87.3f), x);
+  const vf32 t = xc * splat(1.44269504088896341f) + splat(0.5f);
+  vf32 fx = __builtin_convertvector(__builtin_convertvector(t, vi32), vf32);  // trunc
+  fx += as_float((fx > t) & as_int(splat(-1.0f)));  // floor
+  vf32 r = xc - fx * splat(0.693359375f);
+  r -= fx * splat(-2.12194440e-4f);
+  vf32 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.0f);
+  const vi32 scale = (__builtin_convertvector(fx, vi32) + 127) << 23;  // 2^fx
+  return select(tiny, splat(0.0f), y * as_float(scale));
+}
+
+// Scalar fallbacks for head dims that are not a multiple of kLanes.
 template <typename T>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
   float acc = 0.0f;
@@ -68,6 +196,109 @@ inline void axpy(float a, const T* __restrict x, float* __restrict y, int64_t d)
   for (int64_t i = 0; i < d; ++i) y[i] += a * load(x + i);
 }
 
+// Logits of RT query rows (q: scaled, row stride qk) against NK keys (k: key stride ks) into
+// s[r * kBlock + j]. DQ is qk when known at compile time (the common head dims), else 0.
+template <int RT, int NK, int DQ, typename T>
+inline void dots(const float* __restrict q, int64_t qk, const T* __restrict k, int64_t ks,
+                 float* __restrict s) {
+  const int64_t d = DQ ? DQ : qk;
+  vf32 acc[RT][4] = {};
+  for (int64_t c = 0; c < d; c += kLanes) {
+    vf32 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = vload(k + j * ks + c);
+    for (int r = 0; r < RT; ++r) {
+      const vf32 qv = vload(q + r * qk + c);
+      for (int j = 0; j < NK; ++j) acc[r][j] += qv * kv[j];
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    if constexpr (NK == 4) {
+      sum4(acc[r], s + r * kBlock);
+    } else {
+      for (int j = 0; j < NK; ++j) s[r * kBlock + j] = hsum(acc[r][j]);
+    }
+  }
+}
+
+template <int RT, int DQ, typename T>
+void logits_tile(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) dots<RT, 4, DQ>(q, qk, k + i * ks, ks, s + i);
+  switch (n - i) {
+    case 3: dots<RT, 3, DQ>(q, qk, k + i * ks, ks, s + i); break;
+    case 2: dots<RT, 2, DQ>(q, qk, k + i * ks, ks, s + i); break;
+    case 1: dots<RT, 1, DQ>(q, qk, k + i * ks, ks, s + i); break;
+    default: break;
+  }
+}
+
+template <int RT, typename T>
+void block_logits(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, float* s) {
+  if (qk == 64) return logits_tile<RT, 64>(q, qk, k, ks, n, s);
+  if (qk == 128) return logits_tile<RT, 128>(q, qk, k, ks, n, s);
+  logits_tile<RT, 0>(q, qk, k, ks, n, s);
+}
+
+// acc[r] += sum_i p[r][i] v[i] for RT rows (p: row stride kBlock; acc: row stride dv), in column
+// tiles of NV vectors held in registers across the n keys. `dense`: no weight is 0, so no key
+// is tested; otherwise a value row is loaded only for a key some row weighs, and only rows with
+// a nonzero weight add it (0 * NaN would be NaN).
+template <int RT, int NV, typename T>
+void weigh_tile(const float* __restrict p, int64_t n, const T* __restrict v, int64_t vs,
+                int64_t dv, bool dense, float* __restrict acc) {
+  for (int64_t c0 = 0; c0 < dv; c0 += NV * kLanes) {
+    vf32 a[RT][NV];
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < NV; ++t) a[r][t] = vload(acc + r * dv + c0 + t * kLanes);
+    if (dense) {
+      for (int64_t i = 0; i < n; ++i) {
+        vf32 vv[NV];
+        for (int t = 0; t < NV; ++t) vv[t] = vload(v + i * vs + c0 + t * kLanes);
+        for (int r = 0; r < RT; ++r) {
+          const vf32 w = splat(p[r * kBlock + i]);
+          for (int t = 0; t < NV; ++t) a[r][t] += w * vv[t];
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        bool any = false;
+        for (int r = 0; r < RT; ++r) any |= p[r * kBlock + i] != 0.0f;
+        if (!any) continue;
+        vf32 vv[NV];
+        for (int t = 0; t < NV; ++t) vv[t] = vload(v + i * vs + c0 + t * kLanes);
+        for (int r = 0; r < RT; ++r) {
+          const float w = p[r * kBlock + i];
+          if (w == 0.0f) continue;
+          for (int t = 0; t < NV; ++t) a[r][t] += splat(w) * vv[t];
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < NV; ++t) vstore(acc + r * dv + c0 + t * kLanes, a[r][t]);
+  }
+}
+
+template <int RT, typename T>
+void weigh_values(const float* p, int64_t n, const T* v, int64_t vs, int64_t dv, bool dense,
+                  float* acc) {
+  if (dv % (4 * kLanes) == 0) return weigh_tile<RT, 4>(p, n, v, vs, dv, dense, acc);
+  weigh_tile<RT, 1>(p, n, v, vs, dv, dense, acc);
+}
+
+// Calls fn(std::integral_constant<int, RT>) for the rows of a tile of rt rows (1..kTile).
+template <typename F>
+inline void with_tile(int64_t rt, F fn) {
+  switch (rt) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+#if defined(__AVX512F__)
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+#endif
+    default: return;
+  }
+}
+
 struct Dims {
   int64_t batch, q_seq, heads, qk, kv_heads, kv_seq, dv;
   bool bhsd, causal, has_pos;
@@ -79,6 +310,8 @@ struct Dims {
   int64_t kv_offset(int64_t b, int64_t h, int64_t s, int64_t w) const {
     return bhsd ? ((b * kv_heads + h) * kv_seq + s) * w : ((b * kv_seq + s) * kv_heads + h) * w;
   }
+  // Elements from one slot to the next in K (width w).
+  int64_t kv_stride(int64_t w) const { return bhsd ? w : kv_heads * w; }
 };
 
 // One (batch row, kv head): rows r = j * q_seq + t for head h * group + j, query t.
@@ -87,8 +320,9 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
             const int32_t* q_offset, const int32_t* kv_length, const int32_t* kv_pos, T* out,
             float* lse) {
   const int64_t g = d.group(), rows = g * d.q_seq;
+  const bool tiled_qk = d.qk % kLanes == 0, tiled_dv = d.dv % kLanes == 0;
   std::vector<float> qr(rows * d.qk), acc(rows * d.dv, 0.0f), m(rows, kNegInf), l(rows, 0.0f);
-  std::vector<float> s(kBlock * rows);
+  std::vector<float> s(rows * kBlock);  // logits, then weights: s[r * kBlock + i]
   std::vector<int64_t> qpos(rows);
   std::vector<char> nan_row(rows, 0);
   const int64_t offset = q_offset[b], length = kv_length[b];
@@ -100,6 +334,8 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       qpos[r] = offset + t;
     }
   }
+  // Query positions run from offset to offset + q_seq - 1 in every head.
+  const int64_t qmin = offset, qmax = offset + d.q_seq - 1;
   // Keys in position order: slots past the filled length (or the last query, or the right edge
   // of the last query's window) are not read, nor those before the first query's window.
   int64_t slots = d.kv_seq, first = 0;
@@ -111,38 +347,74 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
     if (d.left >= 0) first = std::clamp<int64_t>(offset - d.left, 0, slots);
   }
   const int32_t* pos_b = d.has_pos ? kv_pos + b * d.kv_seq : nullptr;
+  const int64_t ks = d.kv_stride(d.qk), vs = d.kv_stride(d.dv);
   for (int64_t start = first; start < slots; start += kBlock) {
     const int64_t n = std::min(kBlock, slots - start);
-    bool any = false;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t slot = start + i, pos = pos_b ? pos_b[slot] : slot;
-      float* si = s.data() + i * rows;
-      if (pos >= length) {
-        std::fill(si, si + rows, kNegInf);
+    const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+    const T* kb = k + d.kv_offset(b, h, start, d.qk);
+    const T* vb = v + d.kv_offset(b, h, start, d.dv);
+    // Without kv_positions, slot = position: a block every row sees from end to end needs no
+    // per-key test (the common decoding case), one no row sees is skipped.
+    const int64_t last = start + n - 1;
+    bool whole = false;
+    if (!d.has_pos) {
+      if ((d.causal && start > qmax) || (d.left >= 0 && last < qmin - d.left) ||
+          (d.right >= 0 && start > qmax + d.right))
         continue;
+      whole = (!d.causal || last <= qmin) && (d.left < 0 || qmax - start <= d.left) &&
+              (d.right < 0 || last - qmin <= d.right);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+      const int64_t rt = std::min<int64_t>(kTile, rows - r0);
+      float* sr = s.data() + r0 * kBlock;
+      if (tiled_qk) {
+        with_tile(rt, [&](auto tile) {
+          block_logits<decltype(tile)::value>(qr.data() + r0 * d.qk, d.qk, kb, ks, n, sr);
+        });
+      } else {
+        for (int64_t r = 0; r < rt; ++r)
+          for (int64_t i = 0; i < n; ++i)
+            sr[r * kBlock + i] = dot(qr.data() + (r0 + r) * d.qk, kb + i * ks, d.qk);
       }
-      const T* kp = k + d.kv_offset(b, h, slot, d.qk);
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool visible = (!d.causal || pos <= qpos[r]) &&
-                             (d.left < 0 || qpos[r] - pos <= d.left) &&
-                             (d.right < 0 || pos - qpos[r] <= d.right);
-        si[r] = visible ? dot(qr.data() + r * d.qk, kp, d.qk) : kNegInf;
-        any |= visible;
+    }
+    bool any = whole;
+    if (!whole) {
+      // Masked logits become -inf after the product, so a NaN in a slot no row sees is dropped.
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = pos_b ? pos_b[start + i] : start + i;
+        for (int64_t r = 0; r < rows; ++r) {
+          const bool visible = pos < length && (!d.causal || pos <= qpos[r]) &&
+                               (d.left < 0 || qpos[r] - pos <= d.left) &&
+                               (d.right < 0 || pos - qpos[r] <= d.right);
+          if (!visible) s[r * kBlock + i] = kNegInf;
+          any |= visible;
+        }
       }
     }
     if (!any) continue;
+    // The online softmax, one row at a time; lanes past n are padded with -inf (weight 0).
     for (int64_t r = 0; r < rows; ++r) {
-      float block_max = kNegInf;
-      for (int64_t i = 0; i < n; ++i) {
-        const float x = s[i * rows + r];
-        // std::max ignores a NaN second argument: a NaN logit (a NaN query or key the row
-        // sees) is recorded, so the row reads NaN rather than "saw no key".
-        if (std::isnan(x)) nan_row[r] = 1;
-        block_max = std::max(block_max, x);
+      float* sr = s.data() + r * kBlock;
+      std::fill(sr + n, sr + padded, kNegInf);
+      vf32 vmax = splat(kNegInf);
+      vi32 nan = vi32{};
+      for (int64_t i = 0; i < padded; i += kLanes) {
+        const vf32 x = vload(sr + i);
+        // A NaN logit (a NaN query or key the row sees) is recorded, so the row reads NaN
+        // rather than "saw no key"; the max itself ignores it.
+        nan |= x != x;
+        vmax = select(x > vmax, x, vmax);
       }
+      float block_max = kNegInf;
+      bool has_nan = false;
+      for (int i = 0; i < kLanes; ++i) {
+        block_max = std::max(block_max, vmax[i]);
+        has_nan |= nan[i] != 0;
+      }
+      if (has_nan) nan_row[r] = 1;
       const float m_new = std::max(m[r], block_max);
       if (m_new == kNegInf) {  // nothing visible to this row yet
-        for (int64_t i = 0; i < n; ++i) s[i * rows + r] = 0.0f;
+        std::fill(sr, sr + padded, 0.0f);
         continue;
       }
       if (m_new != m[r]) {
@@ -152,21 +424,32 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
         l[r] *= alpha;
         m[r] = m_new;
       }
-      float total = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        const float p = std::exp(s[i * rows + r] - m_new);
-        s[i * rows + r] = p;
+      vf32 total = splat(0.0f);
+      const vf32 shift = splat(m_new);
+      for (int64_t i = 0; i < padded; i += kLanes) {
+        const vf32 p = exp_nonpositive(vload(sr + i) - shift);
+        vstore(sr + i, p);
         total += p;
       }
-      l[r] += total;
+      l[r] += hsum(total);
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const float* pi = s.data() + i * rows;
-      const T* vp = nullptr;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (pi[r] == 0.0f) continue;  // masked (or underflowed) keys: skip the value row
-        if (vp == nullptr) vp = v + d.kv_offset(b, h, start + i, d.dv);
-        axpy(pi[r], vp, acc.data() + r * d.dv, d.dv);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+      const int64_t rt = std::min<int64_t>(kTile, rows - r0);
+      const float* pr = s.data() + r0 * kBlock;
+      float* ar = acc.data() + r0 * d.dv;
+      if (tiled_dv) {
+        bool dense = true;
+        for (int64_t r = 0; r < rt && dense; ++r)
+          for (int64_t i = 0; i < n; ++i) dense &= pr[r * kBlock + i] != 0.0f;
+        with_tile(rt, [&](auto tile) {
+          weigh_values<decltype(tile)::value>(pr, n, vb, vs, d.dv, dense, ar);
+        });
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t r = 0; r < rt; ++r) {
+            const float w = pr[r * kBlock + i];
+            if (w != 0.0f) axpy(w, vb + i * vs, ar + r * d.dv, d.dv);
+          }
       }
     }
   }
@@ -176,7 +459,7 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       const bool empty = !(l[r] > 0.0f);
       const float inv = empty ? 0.0f : 1.0f / l[r];
       T* dst = out + ((b * d.q_seq + t) * d.heads + head) * d.dv;
-      bool bad = nan_row[r] != 0;
+      bool bad = nan_row[r] != 0 || std::isnan(l[r]);
       for (int64_t i = 0; i < d.dv; ++i) bad |= !std::isfinite(acc[r * d.dv + i]);
       const float nan = std::numeric_limits<float>::quiet_NaN();
       for (int64_t i = 0; i < d.dv; ++i) store(dst + i, bad ? nan : acc[r * d.dv + i] * inv);
@@ -272,10 +555,11 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (d.kv_heads <= 0 || d.heads % d.kv_heads != 0 || kd[3] != d.qk) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: inconsistent q/k shapes");
   }
-  if (q_offset.element_count() != d.batch || kv_length.element_count() != d.batch) {
+  if (static_cast<int64_t>(q_offset.element_count()) != d.batch ||
+      static_cast<int64_t>(kv_length.element_count()) != d.batch) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: q_offset, kv_length must be [batch]");
   }
-  if (has_pos && kv_pos.element_count() != d.batch * d.kv_seq) {
+  if (has_pos && static_cast<int64_t>(kv_pos.element_count()) != d.batch * d.kv_seq) {
     return ffi::Error::InvalidArgument("treeattn_cpu_decode: kv_pos must be [batch, kv_seq]");
   }
   const auto dtype = q.element_type();

@@ -1,0 +1,266 @@
+"""The cpu kernel's register tiles (`treeattn/decode/_cpu_kernel.cc`) against float64 NumPy.
+
+Head dims that are a multiple of the vector width (16 floats with AVX-512, 8 with AVX2, 4
+otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2, keys 4 at a
+time plus a tail of 1-3, value columns in tiles of 4 vectors or 1; blocks of 512 keys that every
+row sees end to end skip the per-key visibility test. The shapes below cross each of these
+boundaries; the other tests of the kernel (tests/test_decode.py) use head dims of 8 and 16.
+"""
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode import np_attention, np_visible, to_layout
+from test_energy import TOL
+
+from treeattn.decode import flash_attention
+
+
+KV_SEQ = 1103  # blocks of 512, 512 and 79 keys: a tail of 3 after groups of 4
+
+
+def inputs(seed, batch, q_seq, heads, kv_heads, qk, dv, dtype, *, sharp=3.0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, q_seq, heads, qk))
+    k = sharp * rng.standard_normal((batch, KV_SEQ, kv_heads, qk))  # peaked: rescaling matters
+    v = rng.standard_normal((batch, KV_SEQ, kv_heads, dv))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def check(got, want, dtype):
+    out, lse = got
+    want_out, want_lse = want
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert ref_err(out, want_out) <= TOL[dtype]
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
+
+
+def ref_err(actual, expected):
+    actual = np.asarray(actual, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
+
+
+# (group, q_seq, qk, dv, dtype, layout, causal): rows = group * q_seq across 1..2 tiles and a
+# remainder, qk = 64 and 128 (unrolled) and others, dv in tiles of 4 vectors and of 1.
+CASES = [
+    (3, 1, 64, 64, jnp.float32, "bhsd", True),  # a small model's GQA decode step
+    (1, 1, 128, 128, jnp.bfloat16, "bshd", True),
+    (4, 1, 32, 32, jnp.float32, "bshd", False),
+    (5, 1, 64, 64, jnp.bfloat16, "bhsd", True),
+    (2, 3, 16, 48, jnp.float32, "bhsd", True),
+    (1, 7, 64, 128, jnp.float32, "bshd", True),
+    (3, 2, 128, 64, jnp.bfloat16, "bshd", False),
+]
+
+
+@pytest.mark.parametrize(
+    "group, q_seq, qk, dv, dtype, layout, causal",
+    CASES,
+    ids=[f"g{c[0]}-q{c[1]}-{c[2]}x{c[3]}-{jnp.dtype(c[4]).name}-{c[5]}" for c in CASES],
+)
+def test_tiles_match_numpy(group, q_seq, qk, dv, dtype, layout, causal):
+    """Two batch rows of different fill (the first block-aligned tail, the second mid-block),
+    queries at the end of the fill, two kv heads."""
+    kv_heads, batch = 2, 2
+    q, k, v = inputs(group * 7 + qk + dv, batch, q_seq, group * kv_heads, kv_heads, qk, dv, dtype)
+    kv_length = np.array([KV_SEQ, 600])
+    q_offset = kv_length - q_seq
+    got = flash_attention(
+        q,
+        to_layout(k, layout),
+        to_layout(v, layout),
+        kv_length=jnp.asarray(kv_length),
+        q_offset=jnp.asarray(q_offset),
+        causal=causal,
+        kv_layout=layout,
+        backend="cpu",
+    )
+    vis = np_visible(
+        batch,
+        q_seq,
+        group * kv_heads,
+        KV_SEQ,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        causal=causal,
+        window=None,
+        mask=None,
+    )
+    out, lse = np_attention(q, k, v, vis)
+    check(got, (out, lse), dtype)
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["slots", "kv_positions"])
+@pytest.mark.parametrize("window", [(100, 0), (700, 20)], ids=str)
+def test_windows_in_tiles(window, positions):
+    """Sliding windows cut blocks (whole blocks skipped, partial ones tested per key), also
+    with the cache's slots in a shuffled order of positions."""
+    group, q_seq, kv_heads, d = 3, 2, 2, 64
+    q, k, v = inputs(5, 1, q_seq, group * kv_heads, kv_heads, d, d, jnp.float32)
+    kv_length, q_offset = np.array([1000]), np.array([900])
+    vis = np_visible(
+        1,
+        q_seq,
+        group * kv_heads,
+        KV_SEQ,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        causal=True,
+        window=window,
+        mask=None,
+    )
+    out, lse = np_attention(q, k, v, vis)
+    kw = {}
+    if positions:
+        perm = np.random.default_rng(0).permutation(KV_SEQ)  # slot s holds position perm[s]
+        k, v, kw = k[:, perm], v[:, perm], {"kv_positions": jnp.asarray(perm)}
+    got = flash_attention(
+        q,
+        to_layout(k, "bhsd"),
+        to_layout(v, "bhsd"),
+        kv_length=jnp.asarray(kv_length),
+        q_offset=jnp.asarray(q_offset),
+        causal=True,
+        local_window_size=window,
+        kv_layout="bhsd",
+        backend="cpu",
+        **kw,
+    )
+    check(got, (out, lse), jnp.float32)
+
+
+def test_nan_in_a_slot_one_query_does_not_see():
+    """Causal queries at positions 999 and 1000: NaN in the value and key of slot 1000 (seen by
+    the second only) and in every slot past the fill (seen by none). In the tile, the first
+    row weighs the slot 0 and must not read it; the second row reads NaN."""
+    group, q_seq, kv_heads, d = 2, 2, 1, 64
+    q, k, v = inputs(6, 1, q_seq, group, kv_heads, d, d, jnp.float32)
+    clean_k, clean_v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    k = k.at[:, 1000].set(jnp.nan).at[:, 1001:].set(jnp.nan)
+    v = v.at[:, 1000].set(jnp.nan).at[:, 1001:].set(jnp.nan)
+    out, lse = flash_attention(
+        q,
+        to_layout(k, "bhsd"),
+        to_layout(v, "bhsd"),
+        kv_length=jnp.asarray([1001]),
+        q_offset=jnp.asarray([999]),
+        causal=True,
+        kv_layout="bhsd",
+        backend="cpu",
+    )
+    vis = np_visible(
+        1, q_seq, group, KV_SEQ, kv_length=1001, q_offset=999, causal=True, window=None, mask=None
+    )
+    want, want_lse = np_attention(q, clean_k, clean_v, vis)
+    assert ref_err(out[:, 0], want[:, 0]) <= TOL[jnp.float32]
+    np.testing.assert_allclose(np.asarray(lse)[:, 0], want_lse[:, 0], rtol=1e-5)
+    assert np.isnan(np.asarray(out[:, 1])).all() and np.isnan(np.asarray(lse[:, 1])).all()
+
+
+def test_weights_that_underflow_do_not_read_values():
+    """Visible keys whose weight is exactly 0 in float32 (logits 200 below the max): their value
+    rows are not read, so NaN there does not reach the output (its weight in float64 is
+    e^-200); the other keys of the tile are weighed as usual."""
+    d = 64
+    q, k, v = inputs(7, 1, 1, 4, 1, d, d, jnp.float32, sharp=0.1)
+    # The first query row's logit against key a is 8 (s * q.k with k = e_0 * 8 / (s q_0)),
+    # minus 200 for every third key.
+    scale = 1.0 / np.sqrt(d)
+    qn = np.asarray(q, np.float64)
+    low = np.arange(KV_SEQ) % 3 == 1
+    logit = np.where(low, -200.0, 8.0)
+    kn = np.asarray(k, np.float64)
+    kn[0, :, 0, :] = 0.0
+    kn[0, :, 0, 0] = logit / (scale * qn[0, 0, 0, 0])
+    vn = np.asarray(v, np.float64)
+    vn[0, low] = np.nan
+    out, lse = flash_attention(
+        q, jnp.asarray(kn, jnp.float32), jnp.asarray(vn, jnp.float32), backend="cpu"
+    )
+    # Rows 1..3 see other logits; keep only the keys the float32 weights keep for row 0, and
+    # check every row that gives those keys a weight of exactly 0 in float32.
+    x = scale * np.einsum("hd,sd->hs", qn[0, 0], kn[0, :, 0])
+    w32 = np.exp(np.float32(x - x.max(axis=1, keepdims=True)))
+    rows = np.nonzero((w32[:, low] == 0).all(axis=1))[0]
+    assert 0 in rows
+    for r in rows:
+        e = np.exp(x[r, ~low] - x[r, ~low].max())
+        want = e @ vn[0, ~low, 0] / e.sum()
+        assert ref_err(out[0, 0, r], want) <= TOL[jnp.float32]
+        np.testing.assert_allclose(lse[0, 0, r], x[r, ~low].max() + np.log(e.sum()), rtol=1e-6)
+
+
+def test_exp_over_the_logit_range():
+    """The kernel's exp (a polynomial, exact 0 below -87.3) across logits 0 .. -100: with one-hot
+    values, the output is the softmax weights themselves, each within 2e-6 (relative) of float64
+    where it is a normal float32, and 0 (not denormal garbage) far below."""
+    n, d = 1008, 16  # n keys; dv = n so value a is the one-hot e_a
+    x = np.float32(-np.linspace(0.0, 100.0, n)).astype(np.float64)  # exact in float32
+    q = np.zeros((1, 1, 1, d))
+    q[..., 0] = 1.0
+    k = np.zeros((1, n, 1, d))
+    k[0, :, 0, 0] = x
+    v = np.eye(n)[None, :, None, :]
+    out, lse = flash_attention(
+        *(jnp.asarray(a, jnp.float32) for a in (q, k, v)), scale=1.0, backend="cpu"
+    )
+    w = np.exp(x) / np.exp(x).sum()
+    got = np.asarray(out[0, 0, 0], np.float64)
+    normal = w > 1e-37
+    np.testing.assert_allclose(got[normal], w[normal], rtol=2e-6)
+    assert (got[x < -88.0] == 0.0).all()
+    np.testing.assert_allclose(float(lse[0, 0, 0]), np.log(np.exp(x).sum()), rtol=1e-6)
+
+
+# -march for each target, and the registers its library must not use.
+NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
+
+
+@pytest.mark.parametrize("target", sorted(NARROW))
+def test_tiles_on_narrower_vector_units(target, tmp_path):
+    """The same tiles built for AVX2 (8 lanes, 2-row tiles) and SSE4.2 (4 lanes) pass the tile
+    tests in a child process, and the library holds no instruction on wider registers."""
+    march, wider = NARROW[target]
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() != "x86_64" or " avx2" not in (
+        cpuinfo.read_text() if cpuinfo.exists() else ""
+    ):
+        pytest.skip("needs an x86-64 host with AVX2")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or shutil.which("objdump") is None:
+        pytest.skip("needs g++ and objdump")
+    wrapper = tmp_path / "cxx"  # the host compiler, with -march=native replaced
+    wrapper.write_text(
+        '#!/usr/bin/env bash\nargs=()\nfor a in "$@"; do\n'
+        f'  [[ $a == -march=native ]] && a=-march={march}\n  args+=("$a")\ndone\n'
+        f'exec {cxx} "${{args[@]}}"\n'
+    )
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "CXX": str(wrapper), "TREEATTN_CACHE_DIR": str(cache)}
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist"]
+        + ["-k", "tiles_match or nan_in_a_slot or exp_over", __file__],
+        env=env,
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    assert "9 passed" in child.stdout, child.stdout[-1000:]
+    (manifest,) = cache.glob("cpu_kernel_*.json")
+    assert json.loads(manifest.read_text())["compiler"] == [str(wrapper)]
+    asm = subprocess.run(
+        ["objdump", "-d", str(manifest.with_suffix(".so"))], capture_output=True, text=True
+    ).stdout
+    assert "vfmadd" in asm or target == "sse4"  # the tiles' fused multiply-adds
+    assert not [line for line in asm.splitlines() if any(r in line for r in wider)]
