@@ -2,7 +2,7 @@
 
 Head dims that are a multiple of the vector width (16 floats with AVX-512, 8 with AVX2, 4
 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2, keys 4 at a
-time plus a tail of 1-3, value columns in tiles of 4 vectors or 1; blocks of 512 keys that every
+time plus a tail of 1-3, value columns in tiles of 8, 4 or 1 vectors; blocks of 512 keys that every
 row sees end to end skip the per-key visibility test. The shapes below cross each of these
 boundaries; the other tests of the kernel (tests/test_decode.py) use head dims of 8 and 16.
 """
@@ -49,7 +49,7 @@ def ref_err(actual, expected):
 
 
 # (group, q_seq, qk, dv, dtype, layout, causal): rows = group * q_seq across 1..2 tiles and a
-# remainder, qk = 64 and 128 (unrolled) and others, dv in tiles of 4 vectors and of 1.
+# remainder, qk = 64 and 128 (unrolled) and others, dv in tiles of 8, 4 and 1 vectors.
 CASES = [
     (3, 1, 64, 64, jnp.float32, "bhsd", True),  # a small model's GQA decode step
     (1, 1, 128, 128, jnp.bfloat16, "bshd", True),
@@ -57,6 +57,7 @@ CASES = [
     (5, 1, 64, 64, jnp.bfloat16, "bhsd", True),
     (2, 3, 16, 48, jnp.float32, "bhsd", True),
     (1, 7, 64, 128, jnp.float32, "bshd", True),
+    (2, 1, 64, 128, jnp.float32, "bhsd", True),  # whole value rows in one pass
     (3, 2, 128, 64, jnp.bfloat16, "bshd", False),
 ]
 
@@ -256,7 +257,7 @@ def test_tiles_on_narrower_vector_units(target, tmp_path):
         timeout=600,
     )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert "9 passed" in child.stdout, child.stdout[-1000:]
+    assert "10 passed" in child.stdout, child.stdout[-1000:]
     (manifest,) = cache.glob("cpu_kernel_*.json")
     assert json.loads(manifest.read_text())["compiler"] == [str(wrapper)]
     asm = subprocess.run(
