@@ -3,9 +3,11 @@
     python benchmarks/decode.py                  # p = 1, 2, 4, 8; context 16K, 64K, 256K
     python benchmarks/decode.py --quick          # p = 1, 8; context 16K, 64K; fp32
     python benchmarks/decode.py --contexts 1048576 --dtypes bfloat16 --no-ring
+    python benchmarks/decode.py --heads 12 --kv-heads 4 --dim 64 --name decode_gqa  # GQA
 
-One decode step (batch 1, one query, 16 heads of 128) against a KV cache sharded along the
-sequence over p simulated CPU devices, in the library's recommended head-major layout ("bhsd").
+One decode step (batch 1, one query, 16 heads of 128 unless told) against a KV cache sharded
+along the sequence over p simulated CPU devices, in the library's recommended head-major layout
+("bhsd").
 For every (dtype, context, p): median latency of tree_decode (backend "auto", and "xla" as the
 named baseline for the local kernel), ring_decode and, at p = 1, the single-device
 flash_attention; the streaming floor (reading the local K/V shard once) measured
@@ -21,12 +23,16 @@ import argparse
 import os
 
 
+SETTLE_S = 0.1  # the least pause after the xla kernel's call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 65536, 262144])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="GQA: default --heads")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=9, help="timed rounds (medians)")
     parser.add_argument("--no-ring", action="store_true", help="skip the ring baseline")
@@ -72,12 +78,15 @@ def run(args) -> None:
     from treeattn.profiling import collective_stats
 
     h, dh = args.heads, args.dim
-    d = h * dh
+    kvh = args.kv_heads or h
+    if h % kvh:
+        raise SystemExit(f"--heads {h} is not a multiple of --kv-heads {kvh}")
+    d, dq = kvh * dh, h * dh  # cached elements per token; query (and output) elements
     rows = []
     print(f"machine: {machine()}")
     print(
-        f"batch 1, one query, {h} heads of {dh}, kv_layout bhsd; medians of {args.rounds} "
-        f"interleaved rounds; compile time apart\n"
+        f"batch 1, one query, {h} heads ({kvh} kv heads) of {dh}, kv_layout bhsd; "
+        f"medians of {args.rounds} interleaved rounds; compile time apart\n"
     )
     header = (
         f"{'dtype':<9}{'context':>9}{'p':>3} {'floor':>9} {'tree':>9} {'tree xla':>9} "
@@ -98,7 +107,7 @@ def run(args) -> None:
                 sharding = NamedSharding(mesh, spec)
 
                 def init(key, n=n, dtype=dtype):
-                    return jax.random.normal(key, (1, h, n, dh), jnp.dtype(dtype))
+                    return jax.random.normal(key, (1, kvh, n, dh), jnp.dtype(dtype))
 
                 make = jax.jit(init, out_shardings=sharding)
                 k, v = make(jax.random.key(1)), make(jax.random.key(2))
@@ -129,9 +138,10 @@ def run(args) -> None:
                 def ring_fn(q, k, v, mesh=mesh):
                     return ring_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_layout="bhsd")
 
-                fns = {"floor": floor_fn, "tree": tree_fn, "tree_xla": tree_xla_fn}
+                fns = {"floor": floor_fn, "tree": tree_fn}
                 if p == 1:
                     fns["single"] = lambda q, k, v: flash_attention(q, k, v, kv_layout="bhsd")[0]
+                fns["tree_xla"] = tree_xla_fn  # last in each round: see below
                 if not args.no_ring and p > 1:
                     fns["ring"] = ring_fn
                 compiled, compile_s = {}, {}
@@ -141,18 +151,23 @@ def run(args) -> None:
                     compile_s[name] = time.perf_counter() - start
                     jax.block_until_ready(compiled[name](q, k, v))  # warm-up
                 # Interleave floor, tree (and single) round by round so that machine noise hits
-                # them alike; the ring, whose large copies disturb whatever runs next, is timed
-                # on its own afterwards, with fewer rounds (it is slow).
+                # them alike. The xla kernel goes last in a round and is followed by a pause as
+                # long as it took: in bfloat16 its work runs on past its result (measured: the
+                # tree took 75 ms alone, 343 ms right after it, 78 ms after a 0.3 s pause). The
+                # ring, whose large copies disturb whatever runs next, is timed on its own
+                # afterwards, with fewer rounds (it is slow).
                 times: dict[str, list[float]] = {name: [] for name in compiled}
                 for name_set, n_rounds in (
                     ([x for x in compiled if x != "ring"], args.rounds),
                     ([x for x in compiled if x == "ring"], max(3, args.rounds // 3)),
                 ):
-                    for _ in range(n_rounds):
+                    for _ in range(n_rounds if name_set else 0):
                         for name in name_set:
                             start = time.perf_counter()
                             jax.block_until_ready(compiled[name](q, k, v))
                             times[name].append(time.perf_counter() - start)
+                            if name == "tree_xla":
+                                time.sleep(max(SETTLE_S, times[name][-1]))
                 med = {name: statistics.median(t) for name, t in times.items()}
                 paired, paired_xla = (
                     statistics.median(
@@ -185,8 +200,8 @@ def run(args) -> None:
                     "tree_peak_bytes": peak(compiled["tree"]),
                     "compile_s": compile_s,
                     # Paper: t = n / p tokens per device, b = 1, d = heads * dim (elements).
-                    "eq30_tree_mem_bytes": (2 * (n // p) * d + 2 * d + 2 * h) * itemsize,
-                    "eq35_tree_comm_bytes": 2 * (p - 1) / p * (d + 2 * h) * 4,
+                    "eq30_tree_mem_bytes": (2 * (n // p) * d + 2 * dq + 2 * h) * itemsize,
+                    "eq35_tree_comm_bytes": 2 * (p - 1) / p * (dq + 2 * h) * 4,
                 }
                 if "single" in med:
                     row["single_s"] = med["single"]
@@ -198,7 +213,7 @@ def run(args) -> None:
                         ring_collectives=r_stats.summary(),
                         ring_bytes_per_device=r_stats.bytes_sent(),
                         ring_peak_bytes=peak(compiled["ring"]),
-                        eq29_ring_mem_bytes=(4 * (n // p) * d + 2 * d) * itemsize,
+                        eq29_ring_mem_bytes=(4 * (n // p) * d + 2 * dq) * itemsize,
                         eq31_ring_comm_bytes=2 * (n // p) * d * (p - 1) * itemsize,
                         tree_over_ring_mem=peak(compiled["tree"]) / peak(compiled["ring"]),
                     )
