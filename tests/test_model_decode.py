@@ -61,8 +61,9 @@ def compiled_step(model, cache, backend):
 # float32, the whole buffer there and back), scattered into, copied, broadcast or transposed.
 # (A `bitcast-convert`, the same bits read as integers, is not a `convert`.)
 CACHE_COPY = re.compile(r"(?<![\w-])(copy|transpose|concatenate|broadcast|convert|scatter)\(")
-# A sharded cache is written by a scatter that drops the overflow (see `KVCache`).
-SHARDED_COPY = re.compile(r"\b(copy|transpose|concatenate|broadcast)\(")
+# A sharded cache is written by a scatter that drops the overflow (see `KVCache`); of a
+# 16-bit float cache, on its bits, so nothing converts it either.
+SHARDED_COPY = re.compile(r"(?<![\w-])(copy|transpose|concatenate|broadcast|convert)\(")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -102,8 +103,17 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend, dtype):
         ("flash", 20, jnp.bfloat16),  # more rows than are unrolled: a loop over them
         (tree(2), 1, jnp.float32),
         (tree(2), 3, jnp.float32),
+        (tree(2), 3, jnp.bfloat16),
     ],
-    ids=["flash-1", "flash-3", "flash-3-bf16", "flash-20-bf16", "tree-2-1", "tree-2-3"],
+    ids=[
+        "flash-1",
+        "flash-3",
+        "flash-3-bf16",
+        "flash-20-bf16",
+        "tree-2-1",
+        "tree-2-3",
+        "tree-2-3-bf16",
+    ],
 )
 def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     """`generate`'s compiled loop receives one empty cache per row, allocated in place (shard
@@ -157,7 +167,11 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     # Activations only; at these tiny sizes XLA:CPU multiplies bfloat16 in float32 and hoists
     # float32 copies of the weights out of the loop (the weights, not the cache).
     widened = 0 if itemsize == 4 else sum(x.size * 4 for x in jax.tree.leaves(params))
-    assert memory.temp_size_in_bytes < np.prod(local) * itemsize / 4 + widened
+    # A sharded 16-bit cache is scattered into as its bits, and XLA:CPU materialises the bit
+    # casts around the scatter: at most one copy of the cache's bits (converting it to float32
+    # for a bfloat16 scatter, as before, held twice that).
+    bits = local_bytes if (be.name != "flash" and itemsize == 2) else 0
+    assert memory.temp_size_in_bytes < np.prod(local) * itemsize / 4 + widened + bits
 
 
 def test_a_stacked_model_copies_its_weights_not_its_cache():

@@ -302,6 +302,31 @@ def test_round_robin_cache_fills_shards_evenly():
     np.testing.assert_array_equal(cache.slots(jnp.asarray(positions)), np.arange(112))
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_round_robin_writes_land_in_their_slots(dtype, layout, getkey):
+    """Appends to a sharded cache (a prompt, then one token at a time, the last past
+    `max_len`) put every token's bits in the slot of its position, in every dtype (a 16-bit
+    cache is scattered into as integers); the token past `max_len` changes no slot."""
+    cache = KVCache.create(
+        2, 16, 4, mesh=mesh_of(4), kv_axis="kv", block=2, dtype=dtype, layout=layout
+    )
+    tokens = jax.random.normal(getkey(), (17, 2, 4), dtype)
+    append = eqx.filter_jit(lambda c, k: c.append(k, -k))
+    cache = append(cache, tokens[:9])
+    for i in range(9, 16):
+        cache = append(cache, tokens[i : i + 1])
+    full = append(cache, tokens[16:])  # past max_len: not written, counted in length
+    assert int(full.length) == 17
+    slots = np.asarray(cache.slots(jnp.arange(16)))
+    for c in (cache, full):
+        k, v = np.asarray(c.k), np.asarray(c.v)
+        if layout == "bhsd":
+            k, v = np.swapaxes(k, 0, 1), np.swapaxes(v, 0, 1)
+        np.testing.assert_array_equal(k[slots], np.asarray(tokens[:16]))
+        np.testing.assert_array_equal(v[slots], -np.asarray(tokens[:16]))
+
+
 def test_causality(getkey):
     """The gradient of a position's logits with respect to later tokens is 0."""
     model = small_model()

@@ -230,13 +230,28 @@ class KVCache(eqx.Module):
             # dynamic slice instead made XLA all-gather the sharded cache on every step.)
             slots = self.slots(self.length + jnp.arange(n, dtype=jnp.int32))
             slots = jnp.where(overflow, self.max_len, slots)  # out of bounds: dropped
-            if self.layout == "bhsd":
-                new_k = self.k.at[..., slots, :].set(k, mode="drop")
-                new_v = self.v.at[..., slots, :].set(v, mode="drop")
-            else:
-                new_k = self.k.at[..., slots, :, :].set(k, mode="drop")
-                new_v = self.v.at[..., slots, :, :].set(v, mode="drop")
+            new_k = _scatter_slots(self.k, slots, k, self.layout)
+            new_v = _scatter_slots(self.v, slots, v, self.layout)
         return dataclasses.replace(self, k=new_k, v=new_v, length=self.length + n)
+
+
+def _scatter_slots(buffer: Array, slots: Array, update: Array, layout: str) -> Array:
+    """`buffer` with `update` written at `slots` along the sequence axis, dropping slots out of
+    bounds. A 16-bit float buffer is scattered as its bits (integers): XLA:CPU has no scatter
+    of bfloat16 or float16 and would convert the whole buffer to float32 and back."""
+    narrow = jnp.issubdtype(buffer.dtype, jnp.floating) and buffer.dtype.itemsize < 4
+    if narrow:
+        bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
+        out = _scatter_slots(
+            jax.lax.bitcast_convert_type(buffer, bits),
+            slots,
+            jax.lax.bitcast_convert_type(update, bits),
+            layout,
+        )
+        return jax.lax.bitcast_convert_type(out, buffer.dtype)
+    if layout == "bhsd":
+        return buffer.at[..., slots, :].set(update, mode="drop")
+    return buffer.at[..., slots, :, :].set(update, mode="drop")
 
 
 def write_at(
