@@ -42,11 +42,15 @@ def test_vmap_over_rows_and_over_weights(batch, getkey):
 
 @pytest.mark.parametrize("rows", [(1,), (4,)])
 def test_derivatives(rows, getkey):
-    x = jax.random.normal(getkey(), (*rows, 6))
-    w = jax.random.normal(getkey(), (3, 6))
-    check_grads(matmul, (x, w), order=2, modes=["fwd", "rev"], rtol=1e-2)
-    batched = jax.vmap(matmul, (0, None))
-    check_grads(batched, (x[None].repeat(2, 0), w), order=1, modes=["fwd", "rev"], rtol=1e-2)
+    """Second order against finite differences, in float64: second differences in float32
+    are noise at the 1e-2 level."""
+    with jax.enable_x64(True):
+        x = jax.random.normal(getkey(), (*rows, 6), jnp.float64)
+        w = jax.random.normal(getkey(), (3, 6), jnp.float64)
+        check_grads(matmul, (x, w), order=2, modes=["fwd", "rev"], atol=1e-6, rtol=1e-6)
+        batched = jax.vmap(matmul, (0, None))
+        x2 = x[None].repeat(2, 0)
+        check_grads(batched, (x2, w), order=1, modes=["fwd", "rev"], atol=1e-6, rtol=1e-6)
 
 
 def weight_sized_buffers(text: str, dtype) -> list[str]:
