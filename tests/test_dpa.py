@@ -229,12 +229,19 @@ def test_mask_modes_match_jax(impl, mask_mode, getkey):
     vjp_j = standard(vjp_j)
     close(out, out_j, 1e-2)
     got, want = vjp(grad)[:4], vjp_j(grad)[:4]
-    for a, b, tol in zip(got, want, (2e-2, 2e-2, 1e-2, 2e-2), strict=True):
+    # Against jax's in float32, relative to the whole cotangent (as the outputs against NumPy):
+    # entrywise, two bfloat16 cotangents can differ by more than jax's 2e-2 where dP - rowsum
+    # cancels; treeattn's backward, like FlashAttention's, takes that rowsum from the rounded
+    # output.
+    wide = [None if x is None else x.astype(jnp.float32) for x in args[:4]]
+    _, vjp_t = standard(jax.vjp)(functools.partial(fn, "jax"), *wide, *args[4:])
+    truth = standard(vjp_t)(grad.astype(jnp.float32))[:4]
+    for a, b, t, tol in zip(got, want, truth, (2e-2, 2e-2, 1e-2, 2e-2), strict=True):
         if b is None:
             assert a is None
             continue
         assert a.shape == b.shape and a.dtype == b.dtype
-        close(a, b, tol)
+        assert ref.rel_err(a, t) <= tol
 
 
 @pytest.mark.parametrize(
