@@ -17,6 +17,14 @@ if PLATFORM not in ("cpu", "cuda"):
 # The simulated device count must be set before JAX initialises its backends.
 if PLATFORM == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # LLVM's optimisation of XLA:CPU programs is most of their compile time, and nothing the
+    # suite checks depends on it (HLO, buffers, values within tolerances); the benchmarks and
+    # users compile at the default level. Processes the tests start inherit it.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        ).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
