@@ -363,7 +363,7 @@ def test_shift_invariance(shift, seed, causal):
     k2 = jnp.concatenate([k, jnp.ones((6, 2, 1))], axis=-1)
     a = energy_attention(q, k, v, causal=causal, scale=scale)
     b = energy_attention(q2, k2, v, causal=causal, scale=scale)
-    # Shifted logits of size |c| are rounded to |c| * eps: the weights move by that much, relatively.
+    # Logits shifted to size |c| are rounded to |c| * eps: the weights move by that, relatively.
     rounding = 4 * abs(shift) * np.finfo(np.float32).eps * float(jnp.abs(v).max())
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 + rounding)
     zeta = jnp.zeros((4, 2, 3))

@@ -252,7 +252,8 @@ def prompts_alone() -> tuple[list[jax.Array], list[np.ndarray]]:
     model = model_of()
     keys = jax.random.split(jax.random.key(11), len(LENGTHS))
     prompts = [
-        jax.random.randint(k, (n,), 0, CONFIG.vocab_size) for k, n in zip(keys, LENGTHS, strict=True)
+        jax.random.randint(key, (n,), 0, CONFIG.vocab_size)
+        for key, n in zip(keys, LENGTHS, strict=True)
     ]
     alone = [np.asarray(generate(model, p, max_new_tokens=6, backend="reference")) for p in prompts]
     return prompts, alone

@@ -40,13 +40,19 @@ def random_fills(rng, batch, p, shard):
     return fills.astype(np.int32)
 
 
+# Every device count of the tree and the ring in some dtype, and both dtypes on each decoder.
 @pytest.mark.parametrize(
-    "p, decode",
-    [(2, tree_decode), (4, tree_decode), (8, tree_decode), (4, ring_decode)],
-    ids=["tree-2", "tree-4", "tree-8", "ring-4"],
+    "dtype, p, decode",
+    [
+        (jnp.float32, 2, tree_decode),
+        (jnp.bfloat16, 4, tree_decode),
+        (jnp.float32, 8, tree_decode),
+        (jnp.float32, 4, ring_decode),
+        (jnp.bfloat16, 4, ring_decode),
+    ],
+    ids=["f32-tree-2", "bf16-tree-4", "f32-tree-8", "f32-ring-4", "bf16-ring-4"],
 )
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_shard_lengths_match_numpy(p, decode, dtype, getkey):
+def test_shard_lengths_match_numpy(dtype, p, decode, getkey):
     """One query per row after the cache (causal, a decode step), GQA, a head-major cache, a
     fill per row and shard."""
     batch, heads, kv_heads, shard, dim = 2, 4, 2, 6, 16
