@@ -266,9 +266,8 @@ def test_batched_prompts_of_different_lengths(backend):
     """Rows padded to one length (left or right) with an attention mask generate what each
     prompt generates alone."""
     model = model_of()
-    lengths = LENGTHS
     prompts, alone = prompts_alone()
-    width = max(lengths)
+    width = max(LENGTHS)
     pad = 0
     for side in ("left", "right"):
         rows, mask = [], []
