@@ -7,6 +7,8 @@
         --dtypes float32 bfloat16 --batch 1 8 --contexts 1024 8192 32768 [--hf [--static]]
     python benchmarks/generate.py --mode floor --sharded 8   # + the cache over 8 devices:
         tree and ring steps beside the one-device step (batch 1)
+    python benchmarks/generate.py --mode floor --hf-cached --static   # + transformers decoding
+        from the same filled cache at each context (fp32)
     python benchmarks/generate.py --quick          # both modes at tiny sizes, seconds
 
 **throughput**: prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once
@@ -25,6 +27,8 @@ Rounds of step and floor interleave; medians. `--hf` adds generation against tra
 these weights (saved with `save_pretrained`); identical tokens are checked against the argmax of
 transformers' own full forward, and each decode step (transformers' and ours) is reported over
 the floor of that step (weights + every row's cache at the mean decoded length).
+`--hf-cached` compares decode steps at every batch and context instead: both generators start
+from the same filled cache (random keys and values, no prefill timed on either side).
 
 **transformers**: eager with its dynamic cache, and with `--static` also with a static cache
 (`cache_implementation="static"`) under `torch.compile`; where that cannot run on this machine
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import inspect
 import statistics
 import tempfile
 import time
@@ -58,6 +63,11 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--hf", action="store_true", help="floor: also generate against HF")
     parser.add_argument("--static", action="store_true", help="HF static cache + torch.compile")
+    parser.add_argument(
+        "--hf-cached",
+        action="store_true",
+        help="floor: also decode against HF from a filled cache at each context",
+    )
     parser.add_argument("--name", default=None, help="JSON name under results/")
     parser.add_argument(
         "--max-gb", type=float, default=8.0, help="floor: skip cases needing more memory"
@@ -555,7 +565,208 @@ def floor(args) -> dict:
             floor_bytes=floor_bytes,
         )
         out |= {"hf_prompt": n_prompt, "hf_new": new, "hf": hf_rows, "hf_failures": failures}
+    if args.hf_cached:
+        new = args.new or (8 if args.quick else 32)
+        cached, failures = compare_cached(args, config, batches, args.contexts, new)
+        out |= {"hf_cached": cached, "hf_cached_failures": failures}
     return out
+
+
+def compare_cached(args, config, batches, contexts, new) -> tuple[list, dict]:
+    """Decoding from a filled cache: `new` greedy steps of treeattn and of transformers from
+    the same cache contents (random keys and values, `context` tokens per row), at each batch
+    size and context; a streaming read of the step's bytes joins the interleaved rounds.
+
+    transformers runs its own `generate` with the cache passed as `past_key_values` (eager with
+    its dynamic cache; with `--static`, its static cache under `torch.compile`): each call is
+    `new` one-token forwards, as ours is. No prefill is timed on either side, so long contexts
+    cost what their decode steps cost."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+
+    from treeattn.models import AttentionBackend, KVCache, Transformer
+
+    backend = AttentionBackend(args.backend)
+    model = Transformer(config, key=jax.random.key(0))
+    hf = hf_model(model)
+    params, static = eqx.partition(model.unstack_layers(), eqx.is_array)
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    n, kv_heads, head = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    assert kv_heads is not None and head is not None
+    compiled_hf = None
+    if args.static:
+        compiled_hf = copy.deepcopy(hf)
+        compiled_hf.forward = torch.compile(compiled_hf.forward, fullgraph=True)
+
+    # As `generate` runs its steps: one compiled scan, every row at once, the cache donated.
+    @functools.partial(jax.jit, static_argnames=("static", "new"), donate_argnames="cache")
+    def greedy(params, static, token, cache, new):
+        model = eqx.combine(params, static)
+        forward = jax.vmap(lambda t, c: model(t[None], c, backend=backend))
+
+        def body(carry, _):
+            token, cache = carry
+            logits, cache = forward(token, cache)
+            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return (token, cache), token
+
+        (_, cache), tokens = jax.lax.scan(body, (token, cache), None, length=new)
+        return tokens.T, cache
+
+    # `generate(cache=)` in newer transformers, `past_key_values=` before.
+    cache_kwarg = (
+        "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    )
+    kinds = ["eager"] + (["static_compiled"] if args.static else [])
+    print(
+        f"\nagainst transformers from a filled cache, fp32: {new} greedy steps per call "
+        f"(no prefill on either side), backend {args.backend!r}"
+    )
+    header = (
+        f"{'batch':>5} {'context':>7} {'floor':>9} {'treeattn':>9} "
+        + " ".join(f"{'HF ' + k:>18}" for k in kinds)
+        + f" {'ours/floor':>10} {'HF/floor':>9} {'vs fastest HF':>13} {'same tokens':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows, failures = [], {}
+
+    def case(batch: int, context: int) -> dict:
+        filled = batch * 2 * n * kv_heads * context * head * 4
+        # Ours, transformers' (and its static copy), its concatenated copy during a step,
+        # and the stream.
+        need = 3 * weights + filled * (4 + len(kinds) - 1)
+        if need > args.max_gb * 1e9:
+            why = f"needs {need / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
+            print(f"{batch:>5} {context:>7} skipped: {why}")
+            return {"batch": batch, "context": context, "skipped": why}
+        cache = KVCache.create(kv_heads, context + new, head, layers=n, batch=batch)
+        keys = jax.random.split(jax.random.key(2), 2 * n)
+        fill = [
+            jax.random.normal(k, x.shape, x.dtype)
+            for k, x in zip(keys, (*cache.k, *cache.v), strict=True)
+        ]
+
+        def at():  # a fresh array: the cache is donated
+            return jnp.full((batch,), context, jnp.int32)
+
+        state = {
+            "cache": eqx.tree_at(
+                lambda kv: (kv.k, kv.v, kv.length),
+                cache,
+                (tuple(fill[:n]), tuple(fill[n:]), at()),
+            )
+        }
+        rng = np.random.default_rng(context + batch)
+        last = rng.integers(0, config.vocab_size, (batch,))
+        token = jnp.asarray(last, jnp.int32)
+
+        def ours():
+            state["cache"] = eqx.tree_at(lambda c: c.length, state["cache"], at())
+            out, state["cache"] = greedy(params, static, token, state["cache"], new)
+            state["tokens"] = jax.block_until_ready(out)
+
+        # transformers' caches hold the same keys and values ([batch, kv heads, seq, d]).
+        def torch_layer(i):
+            k, v = (np.array(x[:, :, :context]) for x in (fill[i], fill[n + i]))
+            return torch.from_numpy(k), torch.from_numpy(v)
+
+        hf_caches: dict = {"eager": transformers.DynamicCache(config=hf.config)}
+        if compiled_hf is not None:
+            hf_caches["static_compiled"] = transformers.StaticCache(
+                config=hf.config, max_cache_len=context + new
+            )
+        for i in range(n):
+            k, v = torch_layer(i)
+            for c in hf_caches.values():
+                c.update(k, v, i)
+        del k, v
+        # The first `context` ids are cached already: transformers runs only the last.
+        ids = torch.tensor(np.concatenate([np.zeros((batch, context), np.int64), last[:, None]], 1))
+        results: dict = {}
+
+        def theirs(kind, model_):
+            cache = hf_caches[kind]
+            cache.crop(-(int(cache.get_seq_length()) - context))  # back to the context
+            with torch.no_grad():
+                results[kind] = model_.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    **{cache_kwarg: cache},
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=0,
+                )
+
+        stream = jnp.ones(((weights + filled) // 4,), jnp.float32)
+        read = jax.jit(jnp.sum)
+        fns: dict = {
+            "floor": lambda read=read, stream=stream: jax.block_until_ready(read(stream)),
+            "treeattn": ours,
+        }
+        for kind, model_ in (("eager", hf), ("static_compiled", compiled_hf)):
+            if kind in kinds:
+                fn = functools.partial(theirs, kind, model_)
+                if warm(f"{kind}_batch{batch}_context{context}", fn, failures) is not None:
+                    fns[kind] = fn
+        start = time.perf_counter()
+        ours()
+        compile_s = time.perf_counter() - start
+        for fn in fns.values():
+            fn()
+        medians = timed_rounds(fns, args.repeats)
+        # One step reads the weights and every row's cache at its mean length.
+        step_bytes = weights + batch * 2 * n * kv_heads * (context + (new - 1) / 2) * head * 4
+        floor_s = medians["floor"] * step_bytes / (weights + filled)
+        step = {k: medians[k] / new for k in ("treeattn", *kinds) if k in medians}
+        ran = [k for k in kinds if k in step]
+        fastest = min((step[k] for k in ran), default=float("nan"))
+        tokens = np.asarray(state["tokens"])
+        same = {k: bool(np.array_equal(results[k][:, context + 1 :].numpy(), tokens)) for k in ran}
+        row = {
+            "batch": batch,
+            "context": context,
+            "new": new,
+            "weights_bytes": weights,
+            "cache_bytes": filled,
+            "floor_s": floor_s,
+            "treeattn_step_s": step["treeattn"],
+            **{f"transformers_{k}_step_s": step.get(k) for k in kinds},
+            "treeattn_step_over_floor": step["treeattn"] / floor_s,
+            "fastest_transformers_step_over_floor": fastest / floor_s,
+            "speedup_vs_fastest_transformers": fastest / step["treeattn"],
+            "compile_s": compile_s - medians["treeattn"],
+            "identical_tokens": same,
+        }
+        cols = " ".join(
+            f"{step[k] * 1e3:>16.1f}ms" if k in step else f"{'failed (JSON)':>18}" for k in kinds
+        )
+        print(
+            f"{batch:>5} {context:>7} {floor_s * 1e3:>7.1f}ms {step['treeattn'] * 1e3:>7.1f}ms "
+            f"{cols} {row['treeattn_step_over_floor']:>9.2f}x "
+            f"{row['fastest_transformers_step_over_floor']:>8.2f}x "
+            f"{row['speedup_vs_fastest_transformers']:>12.2f}x {str(all(same.values())):>11}"
+        )
+        return row
+
+    for batch in batches:
+        for context in contexts:
+            rows.append(case(batch, context))
+    for k, why in failures.items():
+        if not k.endswith("_traceback"):
+            print(f"transformers {k}: {why}")
+    print(
+        "per decode step (all rows); floor: the weights and every row's cache at its mean "
+        "length, at the bandwidth of a streaming read timed in the same rounds; 'vs fastest HF': "
+        "the faster transformers step over treeattn's"
+    )
+    return rows, failures
 
 
 def plot_floor(rows) -> None:
