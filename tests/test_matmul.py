@@ -15,7 +15,7 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("rows", [(1,), (3,), (2, 1), ()])
+@pytest.mark.parametrize("rows", [(1,), (3,), (2, 1), (), (2, 16), (33,)])
 def test_matches_float64(rows, dtype, getkey):
     x = jax.random.normal(getkey(), (*rows, 16), dtype)
     w = jax.random.normal(getkey(), (24, 16), dtype)  # [out, in], as eqx.nn.Linear holds it
@@ -91,3 +91,16 @@ def test_the_check_sees_a_widened_weight():
 
     text = jax.jit(transposed).lower(x, w).compile().as_text()
     assert weight_sized_buffers(text, jnp.bfloat16) != []
+
+
+@pytest.mark.parametrize(("rows", "as_columns"), [(1, False), (8, True), (32, True), (33, False)])
+def test_few_float32_rows_are_multiplied_as_columns(rows, as_columns):
+    """A few float32 rows (a decode step of a batch) go through XLA:CPU's product as contiguous
+    columns, `w @ x.T`, which streams the weight faster than `x @ w.T`: the compiled program
+    holds a `[out, rows]` product, not folded back into `[rows, out]`."""
+    x = jnp.ones((rows, 64), jnp.float32)
+    w = jnp.ones((128, 64), jnp.float32)
+    text = jax.jit(matmul).lower(x, w).compile().as_text()
+    products = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} dot\(", text)
+    assert products, text
+    assert (products == [f"128,{rows}"]) == as_columns, products

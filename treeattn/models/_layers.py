@@ -23,12 +23,31 @@ def _dot(x, w):
     return jax.lax.dot_general(x, w, dims)
 
 
+def _dot_columns(x, w):
+    """`_dot` as `w @ x.T` on a transposed copy of the rows, transposed back: for a few float32
+    rows (a decode step of a batch), XLA:CPU streams a weight about 1.6x faster with the rows as
+    contiguous columns. The barriers keep XLA from folding both transposes (of `rows` x `in`
+    and `rows` x `out` elements, small beside the weight) back into the product."""
+    rows = x.reshape(-1, x.shape[-1])
+    columns = jax.lax.optimization_barrier(rows.T)
+    y = jax.lax.optimization_barrier(jax.lax.dot_general(w, columns, (((1,), (0,)), ((), ()))))
+    return y.T.reshape(*x.shape[:-1], w.shape[0])
+
+
+# The row counts for which `_dot_columns` is the faster product on XLA:CPU (measured from 2 to
+# 16 rows at 1.1-1.7x; equal at 64, slower from a few hundred).
+_FEW_ROWS = range(2, 33)
+
+
 def _dot_rows(x, w):
     """`_dot` over all the leading axes of `x` as rows. XLA:CPU computes a product of bfloat16
     or float16 with one row 10-20x slower than with two (it converts the whole weight to float32
-    first), so on CPU a single row of such a type is padded to two."""
+    first), so on CPU a single row of such a type is padded to two; a few float32 rows are
+    multiplied as columns (`_dot_columns`)."""
     rows = math.prod(x.shape[:-1])
     narrow = jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+    if rows in _FEW_ROWS and x.dtype == w.dtype == jnp.float32:
+        return jax.lax.platform_dependent(x, w, cpu=_dot_columns, default=_dot)
     if rows != 1 or not narrow:
         return _dot(x, w)
 
