@@ -9,6 +9,8 @@
         tree and ring steps beside the one-device step (batch 1)
     python benchmarks/generate.py --mode floor --hf-cached --static   # + transformers decoding
         from the same filled cache at each context (fp32)
+    python benchmarks/generate.py --mode floor --products   # + the model's few-row products
+        against XLA's own, for every weight shape
     python benchmarks/generate.py --quick          # both modes at tiny sizes, seconds
 
 **throughput**: prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once
@@ -67,6 +69,11 @@ def main() -> None:
         "--hf-cached",
         action="store_true",
         help="floor: also decode against HF from a filled cache at each context",
+    )
+    parser.add_argument(
+        "--products",
+        action="store_true",
+        help="floor: also the model's matrix products with a few rows against XLA's",
     )
     parser.add_argument("--name", default=None, help="JSON name under results/")
     parser.add_argument(
@@ -565,11 +572,83 @@ def floor(args) -> dict:
             floor_bytes=floor_bytes,
         )
         out |= {"hf_prompt": n_prompt, "hf_new": new, "hf": hf_rows, "hf_failures": failures}
+    if args.products:
+        out["products"] = compare_products(args, config)
     if args.hf_cached:
         new = args.new or (8 if args.quick else 32)
         cached, failures = compare_cached(args, config, batches, args.contexts, new)
         out |= {"hf_cached": cached, "hf_cached_failures": failures}
     return out
+
+
+def compare_products(args, config) -> list:
+    """The products of a decode step with a few rows (one per sequence of the batch): the
+    model's `matmul` against XLA's own `x @ w.T` on the weight as Equinox stores it (`[out, in]`,
+    float32 accumulation for narrower types), and a streaming read of the weight, in
+    interleaved rounds; for every weight shape of the model."""
+    import jax
+    import jax.numpy as jnp
+
+    # The product every projection of the model runs (internal: not part of the API).
+    from treeattn.models._layers import matmul
+
+    hidden, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    shapes = {
+        "q, o": (hidden, hidden),
+        "k, v": (kv, hidden),
+        "gate, up": (config.intermediate_size, hidden),
+        "down": (hidden, config.intermediate_size),
+        "lm head": (config.vocab_size, hidden),
+    }
+
+    @jax.jit
+    def xla(x, w):
+        wide = jnp.finfo(x.dtype).bits >= 32
+        y = jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), preferred_element_type=None if wide else jnp.float32
+        )
+        return y.astype(x.dtype)
+
+    ours, read = jax.jit(matmul), jax.jit(jnp.sum)
+    print(f"\nproducts with a few rows: the model's matmul against XLA's x @ w.T ({args.backend})")
+    header = (
+        f"{'dtype':<9} {'weight':<9} {'[out, in]':>12} {'rows':>4} {'stream':>9} "
+        f"{'XLA':>9} {'matmul':>9} {'XLA/matmul':>10} {'matmul/stream':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows_out = []
+    for dtype_name in args.dtypes:
+        dtype = jnp.dtype(dtype_name)
+        for name, shape in shapes.items():
+            w = jax.random.normal(jax.random.key(0), shape, dtype)
+            for rows in (1, 2, 8, 32, 64):
+                x = jax.random.normal(jax.random.key(1), (rows, shape[1]), dtype)
+                fns = {
+                    "stream": lambda w=w: jax.block_until_ready(read(w)),
+                    "xla": lambda x=x, w=w: jax.block_until_ready(xla(x, w)),
+                    "matmul": lambda x=x, w=w: jax.block_until_ready(ours(x, w)),
+                }
+                for fn in fns.values():
+                    fn()
+                m = timed_rounds(fns, 5 * args.repeats)
+                row = {
+                    "dtype": dtype_name,
+                    "weight": name,
+                    "shape": list(shape),
+                    "rows": rows,
+                    **{f"{k}_s": v for k, v in m.items()},
+                    "xla_over_matmul": m["xla"] / m["matmul"],
+                    "matmul_over_stream": m["matmul"] / m["stream"],
+                }
+                rows_out.append(row)
+                print(
+                    f"{dtype_name:<9} {name:<9} {str(list(shape)):>12} {rows:>4} "
+                    f"{m['stream'] * 1e3:>7.2f}ms {m['xla'] * 1e3:>7.2f}ms "
+                    f"{m['matmul'] * 1e3:>7.2f}ms {row['xla_over_matmul']:>9.2f}x "
+                    f"{row['matmul_over_stream']:>12.2f}x"
+                )
+    return rows_out
 
 
 def compare_cached(args, config, batches, contexts, new) -> tuple[list, dict]:
