@@ -86,6 +86,32 @@ def test_logits_match_transformers(case, loaded):
         assert ref.rel_err(got, expected) <= 1e-4, backend
 
 
+@pytest.mark.parametrize("keep", [1, 5, [0, 7, 23]], ids=["last", "last5", "positions"])
+def test_logits_to_keep_as_in_transformers(keep, loaded):
+    """`logits_to_keep` (an int: the last k positions; positions: those) gives transformers'
+    logits for the same argument and the same rows of the full logits, on every backend,
+    with a cache too."""
+    hf, ours, _ = loaded("llama-tied-attention-bias")
+    tokens = np.random.default_rng(1).integers(0, 97, 24)
+    if isinstance(keep, int):
+        ours_arg, hf_arg, rows = keep, keep, slice(-keep, None)
+    else:
+        ours_arg, hf_arg, rows = jnp.asarray(keep), torch.tensor(keep), np.asarray(keep)
+    with torch.no_grad():
+        expected = hf(torch.tensor(tokens)[None], logits_to_keep=hf_arg).logits[0].numpy()
+    full = np.asarray(ours(jnp.asarray(tokens)))[rows]
+    assert expected.shape == full.shape
+    for name in BACKENDS:
+        backend = backend_of(name)
+        got = ours(jnp.asarray(tokens), backend=backend, logits_to_keep=ours_arg)
+        assert ref.rel_err(got, expected) <= 1e-4, name
+        np.testing.assert_allclose(np.asarray(got), full, rtol=1e-5, atol=1e-5, err_msg=name)
+        where = {"mesh": backend.mesh, "kv_axis": "kv"} if name == "tree" else {}
+        cache = ours.init_cache(32, **where)
+        got, _ = ours(jnp.asarray(tokens), cache, backend=backend, logits_to_keep=ours_arg)
+        assert ref.rel_err(got, expected) <= 1e-4, name
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_decoding_through_the_cache_matches_the_full_forward(case, loaded):
     """A prompt fed token by token into the KV cache, then greedy steps: every logit is

@@ -1,7 +1,9 @@
 """A model's decode step at memory speed: the cache updated in place, never copied; batched
 generation with prompts of different lengths; both cache layouts on every backend."""
 
+import dataclasses
 import functools
+import math
 import re
 
 import equinox as eqx
@@ -172,6 +174,42 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     # for a bfloat16 scatter, as before, held twice that).
     bits = local_bytes if (be.name != "flash" and itemsize == 2) else 0
     assert memory.temp_size_in_bytes < np.prod(local) * itemsize / 4 + widened + bits
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["same-length", "padded"])
+def test_generate_prefill_computes_the_last_logits_only(mask):
+    """`generate` samples after each row's last prompt token only: its compiled program holds
+    logits for one position per row (`logits_to_keep`), not `[prompt, vocab]` per row."""
+    vocab, rows, n_prompt = 1000, 3, 40
+    config = dataclasses.replace(CONFIG, vocab_size=vocab)
+    model = Transformer(config, key=jax.random.key(0)).unstack_layers()
+    template = jax.eval_shape(lambda: model.init_cache(64, layout="bhsd"))
+    cache = empty_rows(template, rows, mesh=None, kv_axis=None)
+    params, static = eqx.partition(model, eqx.is_array)
+    text = (
+        _generate_batch.lower(
+            params,
+            static,
+            jnp.zeros((rows, n_prompt), jnp.int32),
+            jnp.ones((rows, n_prompt), bool) if mask else None,
+            cache,
+            jnp.zeros((rows,), jnp.uint32),
+            max_new_tokens=3,
+            temperature=0.0,
+            top_k=None,
+            backend=AttentionBackend("flash"),
+        )
+        .compile()
+        .as_text()
+    )
+    logits = {
+        shape
+        for shape in re.findall(r"\[([\d,]+)\]", text)
+        if shape.endswith(f",{vocab}") and shape.split(",")[0] != str(vocab)
+    }
+    assert logits, "no logits found"
+    positions = {math.prod(int(n) for n in shape.split(",")[:-1]) for shape in logits}
+    assert max(positions) <= rows, sorted(logits)
 
 
 def test_a_stacked_model_copies_its_weights_not_its_cache():

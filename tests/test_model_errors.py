@@ -375,3 +375,33 @@ def test_overflowing_a_sharded_cache_is_an_error_not_a_hang():
     )
     assert lines[1].startswith("refused: generate: a prompt of 4 token(s) and max_new_tokens=40")
     assert lines[2:] == ["traced 3 False", "traced 4 False", "traced 6 True"]
+
+
+# ---------------------------------------------------------------------------------------------
+# logits_to_keep
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keep", "message"),
+    [
+        (-1, r"logits_to_keep=-1 must lie in \[0, 6\] for 6 tokens"),
+        (7, r"logits_to_keep=7 must lie in \[0, 6\]"),
+        (True, "must be an int or an integer array, got True"),
+        (1.0, "must be an int or an integer array, got 1.0"),
+        (jnp.zeros((1,)), r"1-d integer positions, got dtype float32 and shape \(1,\)"),
+        (jnp.zeros((1, 1), jnp.int32), r"1-d integer positions, got dtype int32 and shape"),
+        (jnp.asarray([0, 6, -1]), r"positions \[6, -1\] are outside \[0, 6\)"),
+    ],
+)
+def test_logits_to_keep_is_checked(keep, message):
+    with pytest.raises(ValueError, match=message):
+        tiny()(jnp.arange(6), logits_to_keep=keep)
+
+
+def test_logits_to_keep_accepts_numpy_integers():
+    model, tokens = tiny(), jnp.arange(6)
+    full = model(tokens)
+    close = {"rtol": 1e-5, "atol": 1e-6}  # products of other row counts round differently
+    np.testing.assert_allclose(model(tokens, logits_to_keep=np.int64(2)), full[-2:], **close)
+    np.testing.assert_allclose(model(tokens, logits_to_keep=np.asarray([3])), full[3:4], **close)

@@ -277,12 +277,17 @@ def _generate_batch(
         next_logits, cache = forward(token[:, None], cache)
         return (next_logits[:, 0], cache), token
 
-    logits, cache = forward(tokens, prompt_padding(cache, None if mask is None else lengths))
+    # Only each row's last prompt token is sampled from: the prefill computes its logits alone.
+    prefill = jax.vmap(
+        lambda tokens, cache, last: model(tokens, cache, backend=backend, logits_to_keep=last[None])
+    )
+    padded = prompt_padding(cache, None if mask is None else lengths)
+    logits, cache = prefill(tokens, padded, lengths - 1)
     # A shorter row's padding was run after its prompt; it is not counted: the row's next
     # token overwrites it, and nothing attends to it before then (a linear state never
     # absorbed it).
     cache = after_prompts(cache, lengths)
-    first = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = logits[:, 0]
     # The last token needs no forward pass of its own: scan one step fewer, then sample it.
     (last, cache), new = jax.lax.scan(step, (first, cache), jnp.arange(max_new_tokens - 1))
     final = pick(last, max_new_tokens - 1)

@@ -234,9 +234,16 @@ class Transformer(eqx.Module):
         cache: Cache | None = None,
         *,
         backend: str | AttentionBackend | None = None,
-    ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], Cache]:
+        logits_to_keep: int | Int[Array, " keep"] = 0,
+    ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """Logits of every position; with `cache`, the tokens follow the cached ones and the
         updated cache is returned too.
+
+        `logits_to_keep` (as in transformers) computes the logits of some positions only: `0`
+        (the default) every position, an int `k > 0` the last `k`, an integer array the
+        positions it lists (`[keep]`, in order). A prefill that only samples after the last
+        token needs `logits_to_keep=1`: the `[seq, vocab]` product of the output head is most
+        of what a long prompt costs beyond the layers.
 
         Token ids must be integers (checked always) in `[0, vocab_size)`. Concrete tokens
         (an eager call) are checked and an id outside raises a `ValueError`; traced tokens
@@ -246,7 +253,12 @@ class Transformer(eqx.Module):
         """
         check_token_type("Transformer", tokens, self.config.vocab_size, ndim=1)
         check_token_ids("Transformer", tokens, self.config.vocab_size)
-        return self.from_embeddings(jax.vmap(self.embed_tokens)(tokens), cache, backend=backend)
+        return self.from_embeddings(
+            jax.vmap(self.embed_tokens)(tokens),
+            cache,
+            backend=backend,
+            logits_to_keep=logits_to_keep,
+        )
 
     def from_embeddings(
         self,
@@ -254,8 +266,10 @@ class Transformer(eqx.Module):
         cache: Cache | None = None,
         *,
         backend: str | AttentionBackend | None = None,
-    ) -> Float[Array, "seq vocab"] | tuple[Float[Array, "seq vocab"], Cache]:
+        logits_to_keep: int | Int[Array, " keep"] = 0,
+    ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """As `__call__`, from token embeddings (differentiable inputs)."""
+        keep = _logits_to_keep(logits_to_keep, x.shape[0])
         be = None if backend is None else as_backend(backend)
         length = None
         if cache is not None:
@@ -286,6 +300,11 @@ class Transformer(eqx.Module):
                 new_layers.append(layer_cache)
             if cache is not None:
                 new_cache = cache.with_layers(new_layers)
+        seq = x.shape[0]
+        if isinstance(keep, int):
+            x = x[-keep:]  # all of them for 0
+        else:
+            x = jnp.take(x, keep, axis=0, mode="clip")
         x = self.norm(x)
         if self.lm_head is None:
             with jax.numpy_dtype_promotion("standard"):
@@ -298,7 +317,7 @@ class Transformer(eqx.Module):
         if cache.devices > 1:
             # A sharded cache cannot raise inside the program (see `KVCache`): the overflow,
             # decided from the replicated length alone, shows as NaN logits instead.
-            overflow = jnp.max(cache.length) + x.shape[0] > cache.max_len
+            overflow = jnp.max(cache.length) + seq > cache.max_len
             logits = jnp.where(overflow, jnp.asarray(jnp.nan, logits.dtype), logits)
         remember(new_cache, length)
         return logits, new_cache
@@ -358,6 +377,37 @@ class Transformer(eqx.Module):
         """The attention energy of the first layer (None: `Softmax()`); each layer has its own
         parameters (stacked: `model.layers.self_attn.energy`)."""
         return self.block(0).self_attn.energy
+
+
+def _logits_to_keep(keep, seq: int):
+    """`logits_to_keep` checked: an int in `[0, seq]` (returned as a Python int) or a 1-d
+    integer array (whose concrete values lie in `[0, seq)`)."""
+    if isinstance(keep, (bool, np.bool_)) or not isinstance(
+        keep, (int, np.integer, jax.Array, np.ndarray)
+    ):
+        raise ValueError(
+            f"Transformer: logits_to_keep must be an int or an integer array, got {keep!r}"
+        )
+    if isinstance(keep, (int, np.integer)):
+        if not 0 <= keep <= seq:
+            raise ValueError(
+                f"Transformer: logits_to_keep={keep} must lie in [0, {seq}] for {seq} tokens"
+            )
+        return int(keep)
+    if not jnp.issubdtype(keep.dtype, jnp.integer) or keep.ndim != 1:
+        raise ValueError(
+            "Transformer: logits_to_keep as an array must be 1-d integer positions, got "
+            f"dtype {keep.dtype} and shape {keep.shape}"
+        )
+    if not isinstance(keep, Tracer) and getattr(keep, "is_fully_addressable", True):
+        positions = np.asarray(keep)
+        bad = positions[(positions < 0) | (positions >= seq)]
+        if bad.size:
+            raise ValueError(
+                f"Transformer: logits_to_keep positions {bad[:8].tolist()} are outside "
+                f"[0, {seq}) for {seq} tokens"
+            )
+    return keep
 
 
 def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:
