@@ -610,7 +610,7 @@ def compare_products(args, config) -> list:
         return y.astype(x.dtype)
 
     ours, read = jax.jit(matmul), jax.jit(jnp.sum)
-    print(f"\nproducts with a few rows: the model's matmul against XLA's x @ w.T ({args.backend})")
+    print("\nproducts with a few rows: the model's matmul against XLA's x @ w.T")
     header = (
         f"{'dtype':<9} {'weight':<9} {'[out, in]':>12} {'rows':>4} {'stream':>9} "
         f"{'XLA':>9} {'matmul':>9} {'XLA/matmul':>10} {'matmul/stream':>13}"
@@ -701,6 +701,7 @@ def compare_cached(args, config, batches, contexts, new) -> tuple[list, dict]:
         "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     )
     kinds = ["eager"] + (["static_compiled"] if args.static else [])
+    hf_generate = hf_generators(hf, static=False)["eager"]  # any model, any cache
     print(
         f"\nagainst transformers from a filled cache, fp32: {new} greedy steps per call "
         f"(no prefill on either side), backend {args.backend!r}"
@@ -771,17 +772,7 @@ def compare_cached(args, config, batches, contexts, new) -> tuple[list, dict]:
         def theirs(kind, model_):
             cache = hf_caches[kind]
             cache.crop(-(int(cache.get_seq_length()) - context))  # back to the context
-            with torch.no_grad():
-                results[kind] = model_.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    **{cache_kwarg: cache},
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    num_beams=1,
-                    pad_token_id=0,
-                )
+            results[kind] = hf_generate(ids, new, model=model_, **{cache_kwarg: cache})
 
         stream = jnp.ones(((weights + filled) // 4,), jnp.float32)
         read = jax.jit(jnp.sum)
