@@ -589,8 +589,7 @@ def compare_products(args, config) -> list:
     import jax
     import jax.numpy as jnp
 
-    # The product every projection of the model runs (internal: not part of the API).
-    from treeattn.models._layers import matmul
+    from treeattn.models import matmul  # the product every projection of the model runs
 
     hidden, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
     shapes = {

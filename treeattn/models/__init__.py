@@ -24,6 +24,7 @@ from ._layers import (
     RMSNorm as RMSNorm,
     RotaryEmbedding as RotaryEmbedding,
     SwiGLU as SwiGLU,
+    matmul as matmul,
 )
 from ._llama import DecoderBlock as DecoderBlock, Transformer as Transformer
 from ._train import (

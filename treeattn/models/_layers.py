@@ -83,6 +83,13 @@ def matmul(x: Float[Array, "*rows n"], w: Float[Array, "m n"]) -> Float[Array, "
 
     One product for every row of every `vmap`ped call, so a decode step of many sequences
     reads each weight once. Differentiable in both arguments, in forward and reverse mode.
+    On XLA:CPU the product takes the form that streams the weight fastest: 2 to 32 float32
+    rows as contiguous columns (`w @ x.T`), a single bfloat16 or float16 row padded to two.
+
+    ```python
+    proj = eqx.nn.Linear(768, 2048, use_bias=False, key=jax.random.key(0))
+    y = matmul(jnp.ones((8, 768)), proj.weight)                  # [8, 2048]
+    ```
     """
     return _matmul_rows(x, w)
 
