@@ -86,30 +86,32 @@ def test_logits_match_transformers(case, loaded):
         assert ref.rel_err(got, expected) <= 1e-4, backend
 
 
-@pytest.mark.parametrize("keep", [1, 5, [0, 7, 23]], ids=["last", "last5", "positions"])
-def test_logits_to_keep_as_in_transformers(keep, loaded):
+def test_logits_to_keep_as_in_transformers(loaded):
     """`logits_to_keep` (an int: the last k positions; positions: those) gives transformers'
-    logits for the same argument and the same rows of the full logits, on every backend,
-    with a cache too."""
+    logits for the same argument and the same rows of the full logits; on every backend
+    through a cache too."""
     hf, ours, _ = loaded("llama-tied-attention-bias")
     tokens = np.random.default_rng(1).integers(0, 97, 24)
-    if isinstance(keep, int):
-        ours_arg, hf_arg, rows = keep, keep, slice(-keep, None)
-    else:
-        ours_arg, hf_arg, rows = jnp.asarray(keep), torch.tensor(keep), np.asarray(keep)
-    with torch.no_grad():
-        expected = hf(torch.tensor(tokens)[None], logits_to_keep=hf_arg).logits[0].numpy()
-    full = np.asarray(ours(jnp.asarray(tokens)))[rows]
-    assert expected.shape == full.shape
+    full = np.asarray(ours(jnp.asarray(tokens)))
+    cases = {"last": 1, "last5": 5, "positions": [0, 7, 23]}
+    expected = {}
+    for name, keep in cases.items():
+        hf_arg = keep if isinstance(keep, int) else torch.tensor(keep)
+        ours_arg = keep if isinstance(keep, int) else jnp.asarray(keep)
+        with torch.no_grad():
+            want = hf(torch.tensor(tokens)[None], logits_to_keep=hf_arg).logits[0].numpy()
+        expected[name] = ours_arg, want
+        rows = full[-keep:] if isinstance(keep, int) else full[np.asarray(keep)]
+        got = np.asarray(ours(jnp.asarray(tokens), logits_to_keep=ours_arg))
+        assert ref.rel_err(got, want) <= 1e-4, name
+        np.testing.assert_allclose(got, rows, rtol=1e-5, atol=1e-5, err_msg=name)
+    ours_arg, want = expected["positions"]
     for name in BACKENDS:
         backend = backend_of(name)
-        got = ours(jnp.asarray(tokens), backend=backend, logits_to_keep=ours_arg)
-        assert ref.rel_err(got, expected) <= 1e-4, name
-        np.testing.assert_allclose(np.asarray(got), full, rtol=1e-5, atol=1e-5, err_msg=name)
         where = {"mesh": backend.mesh, "kv_axis": "kv"} if name == "tree" else {}
         cache = ours.init_cache(32, **where)
         got, _ = ours(jnp.asarray(tokens), cache, backend=backend, logits_to_keep=ours_arg)
-        assert ref.rel_err(got, expected) <= 1e-4, name
+        assert ref.rel_err(got, want) <= 1e-4, name
 
 
 @pytest.mark.parametrize("case", list(CASES))
