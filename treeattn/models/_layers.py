@@ -34,8 +34,8 @@ def _dot_columns(x, w):
     return y.T.reshape(*x.shape[:-1], w.shape[0])
 
 
-# The row counts for which `_dot_columns` is the faster product on XLA:CPU (measured from 2 to
-# 16 rows at 1.1-1.7x; equal at 64, slower from a few hundred).
+# The row counts for which `_dot_columns` is the faster product on XLA:CPU (measured 1.3-2.5x
+# from 2 to 32 rows, benchmarks/generate.py --products; equal at 64, slower from a few hundred).
 _FEW_ROWS = range(2, 33)
 
 
