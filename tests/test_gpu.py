@@ -748,3 +748,17 @@ def test_gpu_tree_decode_matches_numpy(dtype, getkey):
     out = tree_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_length=n)
     exp = np_decode(*(np.asarray(x, np.float64) for x in (q, k, v)), n)[0]
     assert ref.rel_err(out, exp) <= TOL[dtype]
+
+
+@cpu_only
+def test_few_float32_rows_lower_for_cuda_as_one_plain_product():
+    """The columns form of a few float32 rows (`w @ x.T` behind barriers) is XLA:CPU's alone:
+    for CUDA the model's product lowers as the one `x @ w.T`, with no barrier or transpose."""
+    from treeattn.models import matmul
+
+    x, w = S((8, 64), jnp.float32), S((128, 64), jnp.float32)
+    cpu, cuda = lower(matmul, x, w, platform="cpu"), lower(matmul, x, w)
+    assert "optimization_barrier" in cpu  # the check sees the CPU form
+    assert_cuda_program(cuda)
+    assert "optimization_barrier" not in cuda and "transpose" not in cuda
+    assert re.findall(r"dot_general.*-> tensor<([\dx]+)xf32>", cuda) == ["8x128"]
