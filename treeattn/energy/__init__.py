@@ -40,7 +40,10 @@ from ._on_mesh import (
     tree_energy_attention as tree_energy_attention,
     tree_free_energy as tree_free_energy,
 )
-from ._partial import energy_partial as energy_partial
+from ._partial import (
+    energy_partial as energy_partial,
+    energy_partial_reference as energy_partial_reference,
+)
 from ._sharded import (
     sharded_energy_attention as sharded_energy_attention,
     sharded_free_energy as sharded_free_energy,

@@ -26,7 +26,7 @@ from jax import lax
 
 from .._numerics import Dims, Window, as_position, compute_dtype, default_scale, visibility
 from ._energies import make_context
-from ._generic import local_state, readout
+from ._local import local_state, readout
 
 
 AUTO_BLOCK = 256
@@ -162,11 +162,28 @@ def _float0(x):
 blockwise_terms.defvjp(_fwd, _bwd)
 
 
-def blockwise(energy, q, k, v, zeta, mask, q_offset, dims: Dims, *, block, causal, scale, at_zero):
-    """F `[q_seq, heads]` of the whole problem, evaluated in blocks of `block` keys."""
+def blockwise(
+    energy,
+    q,
+    k,
+    v,
+    zeta,
+    mask,
+    q_offset,
+    dims: Dims,
+    *,
+    block,
+    causal,
+    scale,
+    at_zero,
+    window: Window | None = None,
+):
+    """F `[q_seq, heads]` of the whole problem, evaluated in blocks of `block` keys (`window`:
+    a sliding window by absolute position)."""
     blocks = -(-dims.kv_seq // block)
     local = dataclasses.replace(dims, kv_seq=-(-dims.kv_seq // blocks))
-    cfg = Blocks(local, blocks, dims.kv_seq, default_scale(dims.qk, scale), causal, at_zero)
+    s = default_scale(dims.qk, scale)
+    cfg = Blocks(local, blocks, dims.kv_seq, s, causal, at_zero, window)
     ks, vs = _split(k, blocks, 0), _split(v, blocks, 0)
     masks = None if mask is None else _split(jnp.asarray(mask), blocks, mask.ndim - 1)
     if zeta is None:

@@ -79,6 +79,8 @@ class Energy(eqx.Module):
       absolute positions from `ctx` so that shards and blocks agree.
     - `once(ctx)`: a state added exactly once per query row (a sink), or None.
     - `readout(state, ctx)`: the free energy of each row; default the monoid's.
+    - `reads_positions` (a property): whether `logits` reads `ctx.q_pos` / `ctx.k_pos`;
+      default True for a subclass with its own `logits`.
 
     ```python
     class ReLU2(Energy):
@@ -104,6 +106,15 @@ class Energy(eqx.Module):
 
     def readout(self, state: Any, ctx: Context) -> Float[Array, "kv_heads rows"]:
         return self.monoid.readout(state)
+
+    @property
+    def reads_positions(self) -> bool:
+        """Whether the logits depend on the absolute positions of the queries and keys
+        (`ctx.q_pos`, `ctx.k_pos`). Every path gives an energy that reads them the keys' true
+        positions; a call that cannot (`treeattn.decode.tree_decode(shard_lengths=...)`, whose
+        shards carry fill counts only) refuses it. Default: True when a subclass defines its
+        own `logits` (which may read them); override it to say otherwise."""
+        return type(self).logits is not Energy.logits
 
     def _scaled_tilt(self, ctx: Context, dtype) -> tuple[Array, Callable[..., Any]] | None:
         """`(c, e)` when `elements(x, t)` equals `e(x, c t)` for a per-row factor `c[kv_heads,
@@ -156,6 +167,11 @@ class Softmax(Energy):
     def logits(self, q, k, ctx):
         x = super().logits(q, k, ctx)
         return _alibi_and_softcap(x, self.softcap, self.alibi_slopes, ctx)
+
+    @property
+    def reads_positions(self) -> bool:
+        """ALiBi reads the distance between query and key positions."""
+        return type(self).logits is not Softmax.logits or self.alibi_slopes is not None
 
     def elements(self, x, tilt, ctx):
         beta = jnp.asarray(self.beta, x.dtype)
@@ -274,6 +290,10 @@ class LinearKernel(Energy):
 
     def logits(self, q, k, ctx):
         return jnp.einsum("kmd,skd->kms", self.feature_map(q), self.feature_map(k))
+
+    @property
+    def reads_positions(self) -> bool:
+        return type(self).logits is not LinearKernel.logits
 
     def elements(self, x, tilt, ctx):
         return x * jnp.exp(tilt)

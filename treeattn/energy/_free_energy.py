@@ -17,21 +17,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
-    Dims,
     as_position,
     check_window,
     compute_dtype,
     default_scale,
-    finite_rows,
     from_rows,
     masked_logsumexp as masked_logsumexp,
-    poison,
-    rows_visibility,
-    to_rows,
     visibility,
 )
 from ._checks import check_multihead, check_q_offset, dims_of
@@ -40,49 +34,16 @@ from ._energies import (
     Energy,
     check_block_size,
     check_energy,
-    combine_once,
     is_plain_softmax,
     make_context,
 )
+from ._generic import attention, total_energy
+from ._local import bad_logits, finite_kv, reference_terms, scaled_logits
 
 
 # ---------------------------------------------------------------------------------------------
 # The shared core
 # ---------------------------------------------------------------------------------------------
-
-
-def finite_kv(
-    k: Float[Array, "kv_seq kv_heads qk"], v: Float[Array, "kv_seq kv_heads dv"]
-) -> tuple[Array, Array, Bool[Array, "kv_heads kv_seq"]]:
-    """K and V with their non-finite rows set to 0, and which (kv head, key) those were: the
-    logits of those keys become NaN (`bad_logits`), so a query that does not see them is
-    untouched and one that does gets NaN (see `finite_rows`)."""
-    k, bad_k = finite_rows(k)
-    v, bad_v = finite_rows(v)
-    return k, v, (bad_k | bad_v).T
-
-
-def bad_logits(x: Float[Array, "kv_heads rows kv_seq"], bad: Bool[Array, "kv_heads kv_seq"]):
-    """Logits `x` with those of non-finite key/value rows set to NaN (see `finite_kv`)."""
-    return poison(x, bad[:, None, :])
-
-
-def scaled_logits(
-    q: Float[Array, "q_seq heads qk"],
-    k: Float[Array, "kv_seq kv_heads qk"],
-    dims: Dims,
-    scale: float,
-) -> Float[Array, "kv_heads rows kv_seq"]:
-    r"""$s\,q_{i,h}\cdot k_{a,g(h)}$ in the rows layout, in at least float32.
-
-    The scale multiplies the queries, before the product: the logits are then one array that
-    the max and the exponential both read. Scaling the product instead lets XLA recompute it in
-    each fusion, rounded differently (contracted), which at a huge scale puts the maximum
-    logit far from the max and turns the softmax into inf/inf.
-    """
-    ct = compute_dtype(q.dtype)
-    qs = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
-    return jnp.einsum("kmd,skd->kms", qs, k.astype(ct))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,22 +242,8 @@ def _multihead(
     window = check_window(fn, local_window_size)
     check_energy(fn, energy)
     check_block_size(fn, block_size)
-    from ._generic import total_energy
-
-    q_pos = as_position(q_offset)
-    mask = _with_window(mask, window, q.shape[0], k.shape[0], q_pos)
-    kw = {"causal": causal, "scale": scale, "block_size": block_size}
-    return total_energy(energy, q, k, v, zeta, mask, q_pos, **kw)
-
-
-def _with_window(mask, window, q_seq, kv_seq, q_offset):
-    """`mask` and the sliding `window` by absolute position (query `q_offset + i`, key `a`)."""
-    if window is None:
-        return mask
-    i = q_offset + jnp.arange(q_seq)[:, None]
-    a = jnp.arange(kv_seq)[None, :]
-    inside = (a >= i - window[0]) & (a <= i + window[1])
-    return inside if mask is None else jnp.logical_and(mask, inside)
+    kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
+    return total_energy(energy, q, k, v, zeta, mask, as_position(q_offset), **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +263,11 @@ def energy_attention(
     local_window_size: int | tuple[int, int] | None = None,
     energy: Energy = SOFTMAX,
     block_size: int | None = None,
-) -> Float[Array, "q_seq heads dv"]:
+    return_free_energy: bool = False,
+) -> (
+    Float[Array, "q_seq heads dv"]
+    | tuple[Float[Array, "q_seq heads dv"], Float[Array, "q_seq heads"]]
+):
     r"""Multi-head attention computed as the gradient of the free energy at $\zeta = 0$.
 
     $$z_{i,h} = \frac{\partial F_\mathrm{tot}}{\partial \zeta_{i,h}}\Big|_{\zeta=0}
@@ -333,10 +284,13 @@ def energy_attention(
     (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]). Above 2^26
     logits, or with `block_size`, every energy (the default too) is evaluated in tiles of
     queries and keys with a custom VJP of its own, so that training through the output holds
-    O(N d) memory rather than the logits (see the energies page).
+    O(N d) memory rather than the logits (see the energies page). `return_free_energy=True`
+    also returns $F_{i,h}(0)$, the free energy of every query and head (for softmax the
+    log-sum-exp of its logits, jax's `return_residual`), differentiable like the output.
 
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs (arithmetic in float32 or
-    wider). A query with no visible key gets 0.
+    wider); with `return_free_energy`, `(out, F)`, `F[q_seq, heads]` in float32 (float64 for
+    float64 inputs). A query with no visible key gets 0 (and $F = -\infty$ for softmax).
 
     ```python
     q = jax.random.normal(jax.random.key(0), (5, 8, 16))
@@ -349,18 +303,16 @@ def energy_attention(
     window = check_window("energy_attention", local_window_size)
     check_energy("energy_attention", energy)
     check_block_size("energy_attention", block_size)
+    if not isinstance(return_free_energy, bool):
+        raise ValueError(
+            f"energy_attention: return_free_energy must be a bool, got {return_free_energy!r}"
+        )
     kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
-    return _energy_attention(energy, q, k, v, mask, as_position(q_offset), **kw)
-
-
-# The public functions validate their arguments, then call a jitted core: called eagerly they
-# compile once per shape (rather than op by op), and a new `q_offset` does not recompile.
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
-def _energy_attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size, window):
-    from ._generic import attention
-
-    kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
-    return attention(energy, q, k, v, mask, q_offset, **kw)
+    # A jitted core: called eagerly it compiles once per shape (rather than op by op), and a
+    # new `q_offset` does not recompile.
+    return attention(
+        energy, q, k, v, mask, as_position(q_offset), **kw, with_energy=return_free_energy
+    )
 
 
 def attention_reference(
@@ -426,29 +378,5 @@ def _attention_reference(q, k, v, mask, q_offset, *, causal, scale, window=None)
 def _energy_reference(energy, q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
     dims = dims_of(q, k, v)
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
-    ct = compute_dtype(q.dtype)
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
-    k, v, bad = finite_kv(k, v)
-    x = bad_logits(energy.logits(to_rows(q.astype(ct), dims), k.astype(ct), ctx), bad)
-    rows = (dims.kv_heads, dims.rows, dims.kv_seq)
-    seen = rows_visibility(vis, dims)
-    seen = jnp.ones(rows, bool) if seen is None else jnp.broadcast_to(seen, rows)
-    x = jnp.where(seen, x, jnp.zeros((), x.dtype))  # a hidden key's logit never reaches F
-    monoid = energy.monoid
-
-    def total(tilt: Array) -> Array:
-        e = energy.elements(x, tilt, ctx)
-        empty = monoid.lift(jax.tree.map(lambda t: t[..., :0], e), None)
-
-        def step(state, key):
-            e_a, seen_a = key
-            one = monoid.lift(jax.tree.map(lambda t: t[..., None], e_a), seen_a[..., None])
-            return monoid.combine(state, one), None
-
-        keys = (jax.tree.map(lambda t: jnp.moveaxis(t, -1, 0), e), jnp.moveaxis(seen, -1, 0))
-        state, _ = lax.scan(step, combine_once(energy, empty, ctx), keys)
-        return jnp.sum(energy.readout(state, ctx))
-
-    w = jax.grad(total)(jnp.zeros(rows, ct))  # the weight of every key, [kv_heads, rows, kv]
-    out = jnp.einsum("kms,skv->kmv", w, v.astype(ct))
-    return from_rows(out, dims).astype(q.dtype)
+    return reference_terms(energy, q, k, v, vis, ctx)[0]

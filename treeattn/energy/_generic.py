@@ -28,112 +28,83 @@ from .._numerics import (
     compute_dtype,
     default_scale,
     lse_from_rows,
-    rows_visibility,
-    tilt as tilt_of,
-    tilt_at_zero,
-    to_rows,
     visibility,
 )
 from .._partials import AxisName, Reduction, axis_size, sum_across
 from .._sharding import SequenceSharding
+from ._blockwise import blockwise, blockwise_attention, choose_block
 from ._checks import dims_of
-from ._energies import Context, Energy, combine_once, make_context
-from ._free_energy import _with_window, bad_logits, finite_kv
-
-
-def local_state(
-    energy: Energy, q, k, v, zeta, vis, ctx: Context, at_zero: bool, once: bool = False
-) -> Any:
-    """The monoid state `[kv_heads, rows]` of this block of keys (visible ones only); with
-    `once`, preceded by the energy's once-only term (when this block is the whole sequence)."""
-    dims = ctx.dims
-    ct = compute_dtype(q.dtype)
-    k, v, bad = finite_kv(k, v)
-    x = bad_logits(energy.logits(to_rows(q.astype(ct), dims), k.astype(ct), ctx), bad)
-    vis_rows = rows_visibility(vis, dims)
-    if vis_rows is not None:
-        # A key the row does not see never reaches the energy's elements (nor their gradient).
-        x = jnp.where(vis_rows, x, jnp.zeros((), x.dtype))
-    scaled = energy._scaled_tilt(ctx, ct)
-    if scaled is None:
-        elements = lambda x, tilt: energy.elements(x, tilt, ctx)  # noqa: E731
-    else:
-        elements = scaled[1]
-    if zeta is None:
-        tilt = jnp.zeros((), ct)
-    else:
-        zeta = to_rows(zeta.astype(ct), dims)
-        if scaled is not None:
-            zeta = scaled[0][..., None] * zeta
-        tilt = (tilt_at_zero if at_zero else tilt_of)(zeta, v.astype(ct))
-    # At zeta = 0 an energy whose hidden elements are the identity is lifted without a mask.
-    unmasked = at_zero and zeta is not None and energy._hides_itself()
-    e, lift_vis = elements(x, tilt), None if unmasked else vis_rows
-    first = energy.once(ctx) if once else None
-    if first is None:
-        # At zeta = 0 weights known to be at most 1 need no running maximum.
-        unit = (at_zero or zeta is None) and energy._unit_weights_at_zero()
-        lift = energy.monoid.lift_unit if unit else None
-        return (lift or energy.monoid.lift)(e, lift_vis)
-    if energy.monoid.lift_after is None:
-        return combine_once(energy, energy.monoid.lift(e, lift_vis), ctx)
-    # The sink as one more entry of the block's own reduction: one pass, no separate merge.
-    return energy.monoid.lift_after(first, e, lift_vis)
-
-
-def readout(energy: Energy, state, ctx: Context):
-    """F of every (query, head), `[q_seq, heads]`, from the merged state."""
-    return lse_from_rows(energy.readout(combine_once(energy, state, ctx), ctx), ctx.dims)
+from ._energies import Context, make_context
+from ._local import local_state, readout
 
 
 def free_energy_terms(
-    energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None
+    energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None, window=None
 ) -> Array:
     """$F$ of every (query, head), `[q_seq, heads]`, blockwise when `choose_block` picks a
-    block (see `total_energy`), else from the materialised logits."""
+    block (see `total_energy`), else from the materialised logits. `window` is a sliding window
+    by absolute position."""
     dims = dims_of(q, k, v)
-    from ._blockwise import blockwise, choose_block
-
     block = choose_block(dims, block_size)
     if block is not None:
         kw = {"block": block, "causal": causal, "scale": scale, "at_zero": at_zero}
-        return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, **kw)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset)
+        return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, window=window, **kw)
+    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
     state = local_state(energy, q, k, v, zeta, vis, ctx, at_zero, once=True)
     return lse_from_rows(energy.readout(state, ctx), ctx.dims)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size"))
-def total_energy(energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None):
-    args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size)
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
+def total_energy(
+    energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None, window=None
+):
+    args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size, window)
     return jnp.sum(free_energy_terms(*args))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
-def attention(energy, q, k, v, mask, q_offset, *, causal, scale, block_size=None, window=None):
-    r"""$\partial F/\partial\zeta$ at 0 `[q_seq, heads, dv]`: blockwise (a custom VJP of its
-    own, in O(N d) memory through training) when `choose_block` picks a block, else `jax.grad`
-    of the materialised $F$. `window` is a sliding window by absolute position."""
+@functools.partial(
+    jax.jit, static_argnames=("causal", "scale", "block_size", "window", "with_energy")
+)
+def attention(
+    energy,
+    q,
+    k,
+    v,
+    mask,
+    q_offset,
+    *,
+    causal,
+    scale,
+    block_size=None,
+    window=None,
+    with_energy=False,
+):
+    r"""$\partial F/\partial\zeta$ at 0 `[q_seq, heads, dv]` (and with `with_energy`, $F(0)$
+    `[q_seq, heads]`): blockwise (a custom VJP of its own, in O(N d) memory through training)
+    when `choose_block` picks a block, else the materialised $F$ and its pullback. `window` is a
+    sliding window by absolute position."""
     dims = dims_of(q, k, v)
-    from ._blockwise import blockwise_attention, choose_block
-
     block = choose_block(dims, block_size)
     if block is not None:
         kw = {"block": block, "causal": causal, "scale": scale, "window": window}
         with jax.named_scope("energy_attention"):
             out = blockwise_attention(energy, q, k, v, mask, q_offset, dims, **kw)
-        return out.astype(q.dtype)
-    if window is not None:
-        mask = _with_window(mask, window, dims.q_seq, dims.kv_seq, q_offset)
+            if not with_energy:
+                return out.astype(q.dtype)
+            # F in blocks of its own (its own custom VJP): computed only where it is used.
+            f = blockwise(energy, q, k, v, None, mask, q_offset, dims, at_zero=True, **kw)
+        return out.astype(q.dtype), f
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 
-    def total(zeta):
-        terms = free_energy_terms(energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
-        return jnp.sum(terms)
+    def terms(zeta):
+        args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0, window)
+        return free_energy_terms(*args)
 
     with jax.named_scope("energy_attention"):
-        return jax.grad(total)(zeta).astype(q.dtype)
+        f, pull = jax.vjp(terms, zeta)
+        (out,) = pull(jnp.ones_like(f))
+    return (out.astype(q.dtype), f) if with_energy else out.astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("order", "causal", "scale"))
@@ -171,6 +142,12 @@ class Sharded:
     axis_name: AxisName
     reduction: Reduction
     at_zero: bool
+    head_major: bool = False  # K and V `[kv_heads, kv, d]` (a cache read where it lies)
+    finite: bool = False  # K and V are known finite: no pass zeroes non-finite rows
+
+    def local_state(self, energy, q, k, v, zeta, vis, ctx):
+        kw = {"head_major": self.head_major, "finite": self.finite}
+        return local_state(energy, q, k, v, zeta, vis, ctx, self.at_zero, **kw)
 
 
 def _like(g: Array, x: Array, mesh) -> Array:
@@ -204,7 +181,7 @@ def sharded_context(cfg: Sharded, q_offset, kv_offset, kv_pos=None) -> Context:
 def sharded_forward(cfg: Sharded, energy, q, k, v, zeta, vis, q_offset, kv_offset, kv_pos=None):
     """F `[q_seq, heads]` of the whole sequence on every device, and what its gradient keeps."""
     ctx = sharded_context(cfg, q_offset, kv_offset, kv_pos)
-    state = local_state(energy, q, k, v, zeta, vis, ctx, cfg.at_zero)
+    state = cfg.local_state(energy, q, k, v, zeta, vis, ctx)
     merged, residual = energy.monoid.across(state, cfg.axis_name, cfg.reduction, kv_offset)
     return readout(energy, merged, ctx), (state, merged, residual)
 
@@ -224,7 +201,7 @@ def sharded_backward(
     zero = jnp.sum(jnp.zeros_like(k[:1, :1, :1]))
     local = jax.tree.map(lambda x: x + zero.astype(jnp.result_type(x)), (energy, q, zeta))
     _, pull_local = jax.vjp(
-        lambda e, q, k, v, z: local_state(e, q, k, v, z, vis, ctx, cfg.at_zero),
+        lambda e, q, k, v, z: cfg.local_state(e, q, k, v, z, vis, ctx),
         local[0],
         local[1],
         k,

@@ -36,8 +36,8 @@ from .._numerics import (
 )
 from ._checks import check_multihead, check_q_offset, check_source, dims_of
 from ._energies import SOFTMAX
-from ._free_energy import bad_logits, finite_kv, scaled_logits
 from ._generic import free_energy_terms
+from ._local import bad_logits, finite_kv, scaled_logits
 
 
 def log_likelihood(

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import as_position
 from ._checks import check_multihead, check_q_offset
 from ._energies import SOFTMAX, Energy, check_energy
+from ._generic import cumulant
 
 
 def value_moments(
@@ -54,8 +55,6 @@ def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset, energy) -> Arra
     check_multihead(fn, q, k, v, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     check_energy(fn, energy)
-    from ._generic import cumulant
-
     q_pos = as_position(q_offset)
     return cumulant(energy, q, k, v, mask, q_pos, order=order, causal=causal, scale=scale)
 

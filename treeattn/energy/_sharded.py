@@ -27,6 +27,7 @@ from .._partials import (
 )
 from ._checks import check_multihead, check_q_offset
 from ._energies import SOFTMAX, Energy, check_energy
+from ._generic import sharded_attention, sharded_total
 
 
 def _prepare(
@@ -122,8 +123,6 @@ def sharded_free_energy(
         local_window_size=local_window_size,
     )
     s = default_scale(dims.qk, scale)
-    from ._generic import sharded_total
-
     args = (q, k, v, zeta, vis, as_position(q_offset), as_position(kv_offset))
     return sharded_total(energy, *args, dims, s, axis_name, reduction)
 
@@ -172,7 +171,5 @@ def sharded_energy_attention(
         local_window_size=local_window_size,
     )
     s = default_scale(dims.qk, scale)
-    from ._generic import sharded_attention
-
     args = (q, k, v, vis, as_position(q_offset), as_position(kv_offset))
     return sharded_attention(energy, *args, dims, s, axis_name, reduction)
