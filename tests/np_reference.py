@@ -102,6 +102,28 @@ def tilted_mean(q, k, v, zeta, *, scale=None, **vis_kwargs):
     return out
 
 
+def tilted_covariance(q, k, v, zeta, *, scale=None, **vis_kwargs):
+    """d2F/dzeta2 at zeta: the covariance of v under p_a ∝ exp(s q.k_a + zeta.v_a),
+    [q_seq, heads, dv, dv] (0 for a query that sees no key)."""
+    x = logits(q, k, scale)
+    heads, q_seq, kv_seq = x.shape
+    vh = values_for_heads(v, heads)
+    zeta = f64(zeta)
+    vis = visible(q_seq, kv_seq, heads, **vis_kwargs)
+    dv = vh.shape[-1]
+    out = np.zeros((q_seq, heads, dv, dv))
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            if row.any():
+                y = x[h, i, row] + vh[h, row] @ zeta[i, h]
+                p = np.exp(y - y.max())
+                p /= p.sum()
+                centred = vh[h, row] - p @ vh[h, row]
+                out[i, h] = (p[:, None] * centred).T @ centred
+    return out
+
+
 def cumulants(q, k, v, order, **kw):
     """Central moments of v under the attention weights: order 1 (mean), 2, 3 (= cumulants)."""
     p = weights(q, k, **kw)

@@ -186,6 +186,16 @@ def test_failed_save_leaves_the_previous_checkpoint_whole(saved, monkeypatch):
     assert same_parameters(Transformer.from_pretrained(path), new)
 
 
+def test_save_into_a_folder_it_cannot_write_names_it(tmp_path):
+    target = tmp_path / "read-only"
+    target.mkdir()
+    target.chmod(0o500)
+    if os.access(target, os.W_OK):  # root ignores the mode bits; sysfs refuses root too
+        target = pathlib.Path("/sys/kernel")
+    with pytest.raises(PermissionError, match=f"save_pretrained: cannot write into {target}"):
+        tiny().save_pretrained(target)
+
+
 def write_sharded(model, path):
     """`model` as transformers shards it: an index and two shard files."""
     from safetensors.numpy import load_file, save_file

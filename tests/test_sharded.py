@@ -420,3 +420,65 @@ def test_local_window_across_shards(p, reduction, getkey):
     )(q, k2, v2)
     expected2 = ref.attention(q, k2, v2, causal=True, q_offset=kv_seq - q_seq, mask=vis[:, :36])
     assert ref.rel_err(inside, expected2) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("reduction", ["allreduce", "butterfly", "hierarchical"])
+def test_nan_query_gives_nan_on_every_schedule(reduction, getkey):
+    """NaN in, NaN out: a query holding NaN gets a NaN free energy across devices too (an
+    all-reduce max may skip the NaN; the merged sum still carries it), never the -inf of a
+    query that sees no key."""
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    q = q.at[1, 0, 0].set(jnp.nan)
+    zeta = jnp.zeros((SHAPE[0], SHAPE[2], SHAPE[5]))
+    kw = tree_kw(4, reduction)
+    assert np.isnan(float(multihead_free_energy(q, k, v, zeta)))
+    assert np.isnan(float(tree_free_energy(q, k, v, zeta, **kw)))
+    out = tree_energy_attention(q, k, v, **kw)
+    assert np.all(np.isnan(out[1, 0])) and np.all(np.isfinite(out[0]))
+
+
+def test_empty_key_sequence_gives_the_empty_answer(getkey):
+    """No key on any device: every query attends to nothing (output 0, F = -inf), as the
+    unsharded functions answer, inside shard_map and on a mesh."""
+    q, _, _ = make_qkv(getkey, SHAPE, jnp.float32)
+    no_k, no_v = jnp.zeros((0, SHAPE[3], SHAPE[4])), jnp.zeros((0, SHAPE[3], SHAPE[5]))
+    zeta = jnp.zeros((SHAPE[0], SHAPE[2], SHAPE[5]))
+    mesh = mesh_of(4)
+
+    def local(q, k, v):
+        f = sharded_free_energy(q, k, v, zeta, axis_name="kv")
+        return sharded_energy_attention(q, k, v, axis_name="kv"), f
+
+    spec = P(None, None, None)
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, P("kv"), P("kv")), out_specs=(spec, P()), check_vma=False
+    )
+    out, f = run(q, no_k, no_v)
+    want_f = multihead_free_energy(q, no_k, no_v, zeta)
+    assert float(want_f) == -np.inf and float(f) == -np.inf
+    np.testing.assert_array_equal(out, energy_attention(q, no_k, no_v))
+    np.testing.assert_array_equal(out, 0.0)
+    assert float(tree_free_energy(q, no_k, no_v, zeta, mesh=mesh, kv_axis="kv")) == -np.inf
+    np.testing.assert_array_equal(tree_energy_attention(q, no_k, no_v, mesh=mesh, kv_axis="kv"), 0)
+
+
+def test_concrete_negative_offsets_are_refused_by_name(getkey):
+    """A negative q_offset or kv_offset held in a concrete array is refused like a Python int,
+    inside shard_map and out."""
+    q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
+    k, v = k[:32], v[:32]
+    mesh = mesh_of(4)
+    for name in ("q_offset", "kv_offset"):
+        kw = {name: jnp.asarray(-3)}
+
+        def local(q, k, v, kw=kw):
+            return sharded_energy_attention(q, k, v, axis_name="kv", causal=True, **kw)
+
+        spec = P(None, None, None)
+        run = jax.shard_map(
+            local, mesh=mesh, in_specs=(spec, P("kv"), P("kv")), out_specs=spec, check_vma=False
+        )
+        with pytest.raises(ValueError, match=f"sharded_energy_attention: {name} must be >= 0"):
+            run(q, k, v)
+    with pytest.raises(ValueError, match="energy_attention: q_offset must be >= 0"):
+        energy_attention(q, k, v, causal=True, q_offset=jnp.asarray(-1))

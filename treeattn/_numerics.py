@@ -161,9 +161,21 @@ def check_position(
         raise ValueError(
             f"{fn}: {name} must be a scalar or have shape [batch] = ({batch},), got {shape}"
         )
-    if minimum is not None and isinstance(value, np.ndarray | np.generic):
+    if minimum is not None and is_concrete(value):
         if np.any(np.asarray(value, dtype=np.int64) < minimum):
-            raise ValueError(f"{fn}: {name} must be >= {minimum}, got {value}")
+            raise ValueError(f"{fn}: {name} must be >= {minimum}, got {np.asarray(value)}")
+
+
+def is_concrete(x) -> bool:
+    """Whether the value of `x` can be read here: a NumPy value, or a JAX array that is not
+    traced and whose every shard lives in this process."""
+    if isinstance(x, np.ndarray | np.generic | numbers.Number):
+        return True
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and bool(getattr(x, "is_fully_addressable", True))
+    )
 
 
 # ---------------------------------------------------------------------------------------------

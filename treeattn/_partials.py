@@ -119,10 +119,13 @@ def _psum_merge(out, lse, axis_name: AxisName):
         num = None
     else:
         num, total = lax.psum((out * w[..., None], w), axis_name)
-    lse = jnp.where(finite, m_safe + jnp.log(jnp.where(finite, total, 1.0)), m)
+    # An all-reduce max may skip a NaN (XLA:CPU's does) and leave m = -inf; the NaN still
+    # reaches the sum, and gives NaN, never the -inf of "sees no key" (NaN in, NaN out).
+    ok = finite | jnp.isnan(total)
+    lse = jnp.where(ok, m_safe + jnp.log(jnp.where(ok, total, 1.0)), m)
     if num is None:
         return None, lse
-    out = num / jnp.where(finite, total, 1.0)[..., None]
+    out = num / jnp.where(ok, total, 1.0)[..., None]
     return out, lse
 
 

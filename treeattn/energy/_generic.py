@@ -238,10 +238,19 @@ def _sharded_terms_bwd(cfg, res, ct):
 sharded_terms.defvjp(_sharded_terms_fwd, _sharded_terms_bwd)
 
 
+def no_keys(energy, q, k, v, zeta, q_offset, dims: Dims, scale) -> Array:
+    """F `[q_seq, heads]` of a sequence without keys: the readout of the monoid's identity
+    (and of the energy's once-only term), computed without a collective."""
+    ctx = make_context(dims, scale, q_offset, 0, 0)
+    return readout(energy, local_state(energy, q, k, v, zeta, None, ctx, False), ctx)
+
+
 def sharded_total(
     energy, q, k, v, zeta, vis, q_offset, kv_offset, dims, scale, axis_name, reduction
 ):
     """`sharded_free_energy` for any energy (arguments already checked)."""
+    if dims.kv_seq == 0:  # no key anywhere: every device holds the answer already
+        return jnp.sum(no_keys(energy, q, k, v, zeta, q_offset, dims, scale))
     total = dims.kv_seq * axis_size(axis_name)
     cfg = Sharded(dims, scale, total, axis_name, reduction, False)
     return jnp.sum(sharded_terms(cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset))
@@ -249,6 +258,8 @@ def sharded_total(
 
 def sharded_attention(energy, q, k, v, vis, q_offset, kv_offset, dims, scale, axis_name, reduction):
     """`sharded_energy_attention` for any energy (arguments already checked)."""
+    if dims.kv_seq == 0:  # no key anywhere: every row attends to nothing
+        return jnp.zeros((dims.q_seq, dims.heads, dims.dv), q.dtype)
     cfg = Sharded(dims, scale, dims.kv_seq * axis_size(axis_name), axis_name, reduction, True)
     zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
 

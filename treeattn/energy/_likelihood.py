@@ -211,14 +211,63 @@ NEWTON_STEPS = 3  # polishing steps after L-BFGS, each kept only if it helps
 
 
 def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
-    """One query: minimise F(ζ) - z·ζ with F(ζ) = log Σ_visible exp(x_a + ζ·v_a), from ζ = 0."""
+    """One query: minimise F(ζ) - z·ζ with F(ζ) = log Σ_visible exp(x_a + ζ·v_a), from ζ = 0.
+    Returns (ζ*, KL, residual, steps, converged); ζ* (and the KL through it) is
+    differentiable in the logits, the values and the target (`_source`)."""
     empty = ~jnp.any(visible)
     z = jnp.where(empty, 0.0, z)
-    tol = atol + rtol * jnp.max(jnp.where(visible[:, None], jnp.abs(v), 0.0), initial=0.0)
+    zeta, (res, steps, ok) = _source(opt, max_steps, x, visible, v, z, rtol, atol)
+    energy = functools.partial(_tilted_energy, x=x, visible=visible, v=v)
+    # KL(p_ζ || p_0) = z·ζ - F(ζ) + F(0), with z = ∂F/∂ζ(ζ) at the solution.
+    kl = jnp.where(empty, 0.0, z @ zeta - energy(zeta) + energy(jnp.zeros_like(zeta)))
+    return zeta, kl, res, steps, ok
 
-    def energy(zeta: Array) -> Array:
-        f = masked_logsumexp(x + v @ zeta, visible)
-        return jnp.where(empty, 0.0, f)
+
+def _tilted_energy(zeta: Array, *, x, visible, v) -> Array:
+    """F(ζ) = log Σ_visible exp(x_a + ζ·v_a) of one query; 0 when it sees no key."""
+    f = masked_logsumexp(x + v @ zeta, visible)
+    return jnp.where(jnp.any(visible), f, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _source(opt, max_steps, x, visible, v, z, rtol, atol):
+    r"""ζ* with ∇F(ζ*) = z, and (residual, steps, converged) beside it.
+
+    Its derivative is that of the root, not of the solver's iterations (implicit function
+    theorem): with $G(\zeta, \theta) = \nabla F(\zeta; x, v) - z$ and
+    $H = \nabla^2 F(\zeta^*)$ (the covariance of the values under the tilted distribution),
+    $d\zeta^* = -H^{+}\,\partial_\theta G\, d\theta$, so $\partial\zeta^*/\partial z = H^{+}$.
+    The pseudo-inverse keeps the minimum-norm solution the solver returns where the values do
+    not vary."""
+    return _iterate(opt, max_steps, x, visible, v, z, rtol, atol)
+
+
+def _source_fwd(opt, max_steps, x, visible, v, z, rtol, atol):
+    zeta, stats = _iterate(opt, max_steps, x, visible, v, z, rtol, atol)
+    return (zeta, stats), (x, visible, v, z, zeta)
+
+
+def _source_bwd(opt, max_steps, saved, cts):
+    x, visible, v, z, zeta = saved
+    ct_zeta = cts[0]
+
+    def gradient(x, v, z):
+        return jax.grad(_tilted_energy)(zeta, x=x, visible=visible, v=v) - z
+
+    hessian = jax.hessian(_tilted_energy)(zeta, x=x, visible=visible, v=v)
+    u = jnp.linalg.lstsq(hessian, ct_zeta)[0]
+    _, pull = jax.vjp(gradient, x, v, z)
+    d_x, d_v, d_z = pull(-u)
+    return d_x, None, d_v, d_z, None, None
+
+
+_source.defvjp(_source_fwd, _source_bwd)
+
+
+def _iterate(opt, max_steps, x, visible, v, z, rtol, atol):
+    """The solver: L-BFGS (or `opt`) from ζ = 0, then Newton polishing; see `tilted_source`."""
+    tol = atol + rtol * jnp.max(jnp.where(visible[:, None], jnp.abs(v), 0.0), initial=0.0)
+    energy = functools.partial(_tilted_energy, x=x, visible=visible, v=v)
 
     def objective(zeta: Array) -> Array:
         return energy(zeta) - z @ zeta
@@ -269,8 +318,5 @@ def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
     zeta, grad, tries, _ = lax.while_loop(
         newton_cond, newton_body, (zeta, grad, jnp.asarray(0, jnp.int32), no)
     )
-    steps = steps + tries
     res = residual(grad)
-    # KL(p_ζ || p_0) = z·ζ - F(ζ) + F(0), with z = ∂F/∂ζ(ζ) at the solution.
-    kl = jnp.where(empty, 0.0, z @ zeta - energy(zeta) + energy(zeta0))
-    return zeta, kl, res, steps, res <= tol
+    return zeta, (res, steps + tries, res <= tol)

@@ -19,7 +19,7 @@ from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
 from ._energies import SOFTMAX, Energy, check_energy
-from ._generic import mesh_attention, mesh_total, on_mesh_plan
+from ._generic import mesh_attention, mesh_total, on_mesh_plan, total_energy
 
 
 def _setup(
@@ -116,6 +116,9 @@ def tree_free_energy(
         local_window_size=local_window_size,
     )
     check_energy("tree_free_energy", energy)
+    if plan.cfg.local.kv_seq == 0:  # no key to shard: the answer needs no device but this one
+        kw = {"causal": causal, "scale": scale, "window": plan.window}
+        return total_energy(energy, q, k, v, args["zeta"], mask, args["q_offset"], **kw)
     return mesh_total(plan, energy, args)
 
 
@@ -161,4 +164,6 @@ def tree_energy_attention(
         local_window_size=local_window_size,
     )
     check_energy("tree_energy_attention", energy)
+    if plan.cfg.local.kv_seq == 0:  # no key to shard: every row attends to nothing
+        return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype)
     return mesh_attention(plan, energy, args).astype(q.dtype)

@@ -362,7 +362,10 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path) -> None:
     from safetensors.numpy import save_file
 
     path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise type(e)(f"save_pretrained: cannot create the folder {path} ({e.strerror})") from None
     config = model.config
     d = config_to_dict(config)
     d["torch_dtype"] = str(jnp.dtype(model.embed_tokens.weight.dtype))
@@ -377,6 +380,12 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path) -> None:
     # Both files are written aside in full first, then renamed into place: a failure while
     # writing (a full disk, an interrupted save) leaves the previous checkpoint as it was.
     weights, text = _aside(path, WEIGHTS), _aside(path, CONFIG)
+    try:
+        # Created here first, so that a folder it cannot write into raises an `OSError` that
+        # names it (safetensors' own error does not).
+        open(weights, "xb").close()
+    except OSError as e:
+        raise type(e)(f"save_pretrained: cannot write into {path} ({e.strerror})") from None
     try:
         save_file(out, str(weights), metadata={"format": "pt"})
         with open(text, "x") as f:
