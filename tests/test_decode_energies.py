@@ -18,7 +18,14 @@ from treeattn.decode import (
     ring_decode,
     tree_decode,
 )
-from treeattn.energy import Softmax, StickBreaking, energy_attention, tree_energy_attention
+from treeattn.energy import (
+    Energy,
+    Sigmoid,
+    Softmax,
+    StickBreaking,
+    energy_attention,
+    tree_energy_attention,
+)
 
 
 CASES = ["softmax_beta", "softmax_softcap_alibi", "sink", "sigmoid_bias", "linear", "stick"]
@@ -235,22 +242,78 @@ def test_window_on_a_mesh(getkey):
 def test_errors(getkey):
     q, k, v = make_cache(getkey, 2, 1, 16)
     sig = make_energy("sigmoid_bias")
-    with pytest.raises(BackendUnavailable, match=r"backend='xla' cannot serve energy=Sigmoid"):
+    with pytest.raises(BackendUnavailable, match=r"softmax only, not energy=Sigmoid"):
         flash_attention(q, k, v, backend="xla", energy=sig)
-    with pytest.raises(BackendUnavailable, match=r"cannot serve energy=StickBreaking"):
+    with pytest.raises(BackendUnavailable, match=r"softmax only, not energy=StickBreaking"):
         tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", backend="cpu", energy=StickBreaking())
-    flash_attention(q, k, v, backend=("pallas", "auto"), energy=sig)  # auto: the general path
-    with pytest.raises(ValueError, match="bias cannot be combined with energy=Sigmoid"):
+    flash_attention(q, k, v, backend=("pallas", "auto"), energy=sig)  # auto: the energy kernel
+    with pytest.raises(ValueError, match="takes no bias"):
         flash_attention(q, k, v, bias=jnp.zeros((1, 1, 1, 16)), energy=sig)
     with pytest.raises(ValueError, match="energy must be a treeattn.energy.Energy"):
         ring_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", energy="sigmoid")  # type: ignore[arg-type]
     fills = jnp.asarray([4, 4])
     for energy, why in (
         (StickBreaking(), "their order"),
-        (make_energy("softmax_softcap_alibi"), "ALiBi"),
+        (make_energy("softmax_softcap_alibi"), "their positions"),
+        (DistanceDecay(), "their positions"),
     ):
-        with pytest.raises(ValueError, match=f"reads the keys' positions \\({why}\\)"):
+        with pytest.raises(ValueError, match=f"reads the keys' {why}"):
             tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", shard_lengths=fills, energy=energy)
+
+
+class DistanceDecay(Energy):
+    """A user's energy whose logits read the keys' positions: softmax with a penalty on the
+    distance between query and key, $x_a - |i - j_a| / 4$."""
+
+    def logits(self, q, k, ctx):
+        x = super().logits(q, k, ctx)
+        distance = jnp.abs(ctx.q_pos[:, None] - ctx.k_pos[None, :]).astype(x.dtype)
+        return x - distance / 4
+
+    def elements(self, x, tilt, ctx):
+        return x + tilt
+
+
+def test_a_user_energy_reading_positions_is_decoded_at_its_true_positions(getkey):
+    """An energy whose own logits read key positions (`reads_positions`, True by default for a
+    subclass's logits) decoded over a cache filled round-robin: with each slot's position it
+    equals the float64 reference over the cache in position order; with per-shard fill counts
+    (which carry no position) it is refused rather than given the wrong positions."""
+    p, block, shard = 2, 4, 16
+    b, n = 1, p * shard
+    q, k, v = make_cache(getkey, b, 1, n)
+    length = 11
+    # Slot a of a round-robin cache (blocks of 4 over 2 shards) holds this position.
+    s = np.arange(n)
+    d, j = s // shard, s % shard
+    positions = ((j // block) * p + d) * block + j % block
+    energy = DistanceDecay()
+    assert energy.reads_positions and not Sigmoid().reads_positions
+    got = tree_decode(
+        q,
+        k,
+        v,
+        mesh=mesh_of(p),
+        kv_axis="kv",
+        kv_positions=jnp.asarray(positions),
+        kv_length=length,
+        causal=True,
+        energy=energy,
+    )
+    # float64: softmax of s q.k - |i - j| / 4 over the filled positions 0..length-1, query at
+    # position length - 1 (the cache's slots sorted into position order first).
+    order = np.argsort(positions)[:length]
+    qf, kf, vf = (np.asarray(x, np.float64) for x in (q[0, 0], k[0][order], v[0][order]))
+    group = HEADS // KV_HEADS
+    want = np.zeros((HEADS, DIM))
+    for h in range(HEADS):
+        x = kf[:, h // group] @ qf[h] / np.sqrt(DIM) - np.abs(length - 1 - np.arange(length)) / 4
+        w = np.exp(x - x.max())
+        want[h] = (w / w.sum()) @ vf[:, h // group]
+    np.testing.assert_allclose(got[0, 0], want, rtol=1e-5, atol=1e-5)
+    fills = jnp.asarray([8, 3])  # the same 11 tokens, counted per shard
+    with pytest.raises(ValueError, match="reads the keys' their positions"):
+        tree_decode(q, k, v, mesh=mesh_of(p), kv_axis="kv", shard_lengths=fills, energy=energy)
 
 
 @pytest.mark.parametrize("reduction", ["butterfly", "hierarchical"])

@@ -133,7 +133,7 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     template = jax.eval_shape(
         lambda: model.init_cache(MAX_LEN, mesh=mesh, kv_axis=axis, layout="bhsd")
     )
-    cache = empty_rows(template, rows, mesh=mesh, kv_axis=axis)
+    cache = empty_rows(template, rows)
     assert cache.length.shape == (rows,) and cache.k[0].shape == (rows, *template.k[0].shape)
     if mesh is not None:  # sharded along the slots, as the tree backend reads it
         assert cache.k[0].sharding.spec == P(None, None, "kv", None)
@@ -184,7 +184,7 @@ def test_generate_prefill_computes_the_last_logits_only(mask):
     config = dataclasses.replace(CONFIG, vocab_size=vocab)
     model = Transformer(config, key=jax.random.key(0)).unstack_layers()
     template = jax.eval_shape(lambda: model.init_cache(64, layout="bhsd"))
-    cache = empty_rows(template, rows, mesh=None, kv_axis=None)
+    cache = empty_rows(template, rows)
     params, static = eqx.partition(model, eqx.is_array)
     text = (
         _generate_batch.lower(

@@ -220,10 +220,15 @@ def test_an_energy_decode_step_reads_each_cache_once(energy, kv_heads):
 
 
 def _dots(jaxpr):
-    """Every `dot_general` of `jaxpr` and of the jaxprs in its equations' parameters."""
+    """Every `dot_general` of `jaxpr` and of the jaxprs in its equations' parameters; of a
+    `cond`, one branch (a kernel is staged once per lowering platform, with
+    `jax.lax.platform_dependent`, and one program holds one of them)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             yield eqn
+        if eqn.primitive.name == "cond":
+            yield from _dots(eqn.params["branches"][0].jaxpr)
+            continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 inner = getattr(sub, "jaxpr", sub)

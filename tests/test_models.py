@@ -353,10 +353,24 @@ def test_training_through_energy_matches_reference(getkey):
 
 
 def test_attention_backend_kernel_choice():
-    """`kernel` is a name or an ordered tuple; the former `flash_backend=x` is `(x, "auto")`."""
-    assert AttentionBackend("flash", flash_backend="pallas").kernel == ("pallas", "auto")
-    assert AttentionBackend("flash", flash_backend="auto").kernel == "auto"
+    """`kernel` is a name or an ordered tuple; names map to one record; the deprecated
+    `flash_backend=x` is `(x, "auto")`."""
+    with pytest.warns(DeprecationWarning, match="flash_backend"):
+        assert AttentionBackend("flash", flash_backend="pallas").kernel == ("pallas", "auto")
+    with pytest.warns(DeprecationWarning, match="flash_backend"):
+        assert AttentionBackend("flash", flash_backend="auto").kernel == "auto"
     assert AttentionBackend("flash", kernel=["pallas", "xla"]).kernel == ("pallas", "xla")
     assert hash(AttentionBackend("flash", kernel=("pallas", "auto")))  # a static argument
-    with pytest.raises(ValueError, match="attention backend must be one of"):
-        AttentionBackend("fast")
+    assert AttentionBackend("energy").kernel == "energy" and not AttentionBackend("energy").sharded
+    assert AttentionBackend("reference").name == "reference"
+    tree = AttentionBackend("tree", mesh=mesh_of(2), kv_axis="kv")
+    assert (tree.kernel, tree.schedule, tree.name, tree.sharded) == ("auto", "tree", "tree", True)
+    ring = AttentionBackend("ring", mesh=mesh_of(2), kv_axis="kv", kernel="energy")
+    assert (ring.kernel, ring.schedule) == ("energy", "ring")
+    assert AttentionBackend.of("flash") == AttentionBackend("flash")
+    with pytest.raises(ValueError, match="name must be one of"):
+        AttentionBackend("fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs mesh= and kv_axis="):
+        AttentionBackend("tree")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        AttentionBackend("flash", kernel="fast")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Bool, Float, Int
 
@@ -138,11 +139,18 @@ def check_window(fn: str, local_window_size) -> Window | None:
 
 
 def check_position(
-    fn: str, name: str, value, *, batch: int | None = None, minimum: int | None = 0
+    fn: str,
+    name: str,
+    value,
+    *,
+    batch: int | None = None,
+    minimum: int | None = 0,
+    read_arrays: bool = False,
 ) -> None:
     """An integer position or length: a Python int or an integer array of shape `[]` (or
-    `[batch]` when `batch` is given). A static value below `minimum` is an error; a traced one
-    cannot be checked here (the kernels clip it, as documented where it is accepted)."""
+    `[batch]` when `batch` is given). A Python or NumPy value below `minimum` is an error, and
+    with `read_arrays` a concrete JAX array's too; a traced one cannot be checked here (the
+    kernels clip it, as documented where it is accepted)."""
     if isinstance(value, bool):
         raise ValueError(f"{fn}: {name} must be an integer, got a bool")
     if isinstance(value, numbers.Integral):
@@ -161,7 +169,8 @@ def check_position(
         raise ValueError(
             f"{fn}: {name} must be a scalar or have shape [batch] = ({batch},), got {shape}"
         )
-    if minimum is not None and is_concrete(value):
+    readable = is_concrete(value) if read_arrays else isinstance(value, np.ndarray | np.generic)
+    if minimum is not None and readable:
         if np.any(np.asarray(value, dtype=np.int64) < minimum):
             raise ValueError(f"{fn}: {name} must be >= {minimum}, got {np.asarray(value)}")
 
@@ -173,7 +182,7 @@ def is_concrete(x) -> bool:
         return True
     return (
         isinstance(x, jax.Array)
-        and not isinstance(x, jax.core.Tracer)
+        and not isinstance(x, Tracer)
         and bool(getattr(x, "is_fully_addressable", True))
     )
 

@@ -1,13 +1,14 @@
 """Fused local attention with `(out, lse)`, tree decoding (Algorithm 3), the ring baseline."""
 
+import warnings as _warnings
+
+from .. import distributed as _distributed
 from .._numerics import Layout as Layout
-from ..distributed import (
-    ProcessConfig as ProcessConfig,
-    check_devices as check_devices,
-    initialize as initialize,
-    kv_mesh as kv_mesh,
-    node_mesh as node_mesh,
-    process_config_from_env as process_config_from_env,
+from ._backend import (
+    AttentionBackend as AttentionBackend,
+    AttentionName as AttentionName,
+    Schedule as Schedule,
+    cache_layout as cache_layout,
 )
 from ._cost_model import (
     DGX_H100 as DGX_H100,
@@ -32,3 +33,25 @@ from ._registry import (
 )
 from ._ring import ring_decode as ring_decode
 from ._tree import tree_decode as tree_decode
+
+
+# Names of `treeattn.distributed` that earlier releases also exported from here.
+_MOVED = (
+    "ProcessConfig",
+    "check_devices",
+    "initialize",
+    "kv_mesh",
+    "node_mesh",
+    "process_config_from_env",
+)
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        _warnings.warn(
+            f"treeattn.decode.{name} is deprecated: use treeattn.distributed.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_distributed, name)
+    raise AttributeError(f"module 'treeattn.decode' has no attribute {name!r}")

@@ -1,37 +1,46 @@
-"""Decoding with an energy other than softmax: the energy's general path.
+"""The kernels of any energy: `"energy"` (its free energy and the gradient, the general path)
+and the energy half of `"reference"` (its definition folded key by key), and the schedules of
+a general energy across devices.
 
-The fused kernels compute softmax partials only. Any other energy is served by
-[`energy_partial`][treeattn.energy.energy_partial] one batch row at a time under `vmap`:
-which keys a row sees comes from the one visibility builder (lengths, causality, windows,
-masks, key positions), the energy reads absolute positions, and across devices its monoid
-merges the shards (tree) or the shards travel around the ring.
+The fused kernels compute softmax only. Any other energy is served one batch row at a time
+under `vmap` by [`energy_partial`][treeattn.energy.energy_partial] (or its twin): which keys a
+row sees comes from the one visibility builder (lengths, causality, windows, masks, key
+positions), the energy reads absolute positions, a head-major cache is read where it lies, and
+across devices its monoid merges the shards (tree) or the shards travel around the ring.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from .._numerics import Dims, visibility
-from .._sharding import SequenceSharding
-from ..energy import Energy, Softmax, energy_partial, is_plain_softmax
-from ._registry import BackendUnavailable, check_backend
+from ..energy import (
+    Energy,
+    Softmax,
+    energy_attention,
+    energy_partial,
+    energy_partial_reference,
+)
+from ._xla import Static
 
 
 SOFTMAX = Softmax()
 """The default energy of the decode functions: softmax, through the fused kernels."""
-GENERAL_BACKENDS = ("auto", "reference")
-"""The backend names that serve a general energy (its own path; no kernel is fused for it)."""
+IN_PLACE_LOGITS = 1 << 24
+"""Logits (heads x queries x keys of a row) up to which the `"energy"` kernel materialises a
+row's logits against K and V where they lie (every decode step, a prefill chunk); a longer
+call without key positions (training, a long prompt) is evaluated blockwise, in O(N d)
+memory, through `treeattn.energy.energy_attention`."""
 
 
 def check_energy(fn: str, energy) -> Energy:
-    """`energy` as an `Energy` (None: `Softmax()`, as before `energy=` had a default)."""
+    """`energy` as an `Energy` (None: `Softmax()`)."""
     if energy is None:
-        return Softmax()
+        return SOFTMAX
     if not isinstance(energy, Energy):
         raise ValueError(
             f"{fn}: energy must be a treeattn.energy.Energy (e.g. Softmax()), got "
@@ -41,116 +50,121 @@ def check_energy(fn: str, energy) -> Energy:
 
 
 def name_of(energy: Energy) -> str:
-    return f"energy={type(energy).__name__}(...)"
-
-
-def check_sharded_call(
-    fn: str, energy: Energy, backend, mesh, kv_axis, *, bias, kv_positions, shard_lengths
-) -> bool:
-    """For `tree_decode` and `ring_decode`: whether `energy` (already checked) takes its general
-    path, and if so what that path cannot take, refused with the reason."""
-    if is_plain_softmax(energy):
-        return False
-    devices = SequenceSharding.create(fn, mesh, kv_axis).devices
-    kw = {"bias": bias, "kv_positions": kv_positions, "shard_lengths": shard_lengths}
-    check_general_call(fn, energy, backend, devices=devices, **kw)
-    return True
-
-
-def check_general_call(
-    fn: str,
-    energy: Energy,
-    backend: str | Sequence[str],
-    *,
-    bias=None,
-    kv_positions=None,
-    shard_lengths=None,
-    devices: int = 1,
-) -> None:
-    """What the general path of `energy` cannot take, refused with the reason."""
-    names = check_backend(fn, backend)
-    if not any(name in GENERAL_BACKENDS for name in names):
-        raise BackendUnavailable(
-            f"{fn}: backend={backend!r} cannot serve {name_of(energy)}: the fused kernels "
-            f"compute softmax only; pass backend='auto' or 'reference' (the energy's own path)"
-        )
-    if bias is not None:
-        raise ValueError(
-            f"{fn}: bias cannot be combined with {name_of(energy)}: an energy's logits are its "
-            "own (energy.logits); write the bias into a subclass's logits, or pass a mask"
-        )
-    ordered = not energy.monoid.commutative
-    if ordered and kv_positions is not None and devices > 1:
-        raise ValueError(
-            f"{fn}: {name_of(energy)} has an ordered monoid ({energy.monoid.name}), folded "
-            f"across the {devices} devices shard by shard, which needs every shard to hold one "
-            "contiguous range of positions; kv_positions (e.g. a round-robin cache, whose "
-            "shards interleave) does not give that: store the cache in position order and pass "
-            "kv_length, or use flash_attention (one device folds by position)"
-        )
-    if shard_lengths is not None and (ordered or _reads_positions(energy)):
-        raise ValueError(
-            f"{fn}: {name_of(energy)} reads the keys' positions "
-            f"({'their order' if ordered else 'ALiBi'}), which shard_lengths does not give; "
-            "pass kv_positions and kv_length instead"
-        )
-
-
-def _reads_positions(energy: Energy) -> bool:
-    return isinstance(energy, Softmax) and energy.alibi_slopes is not None
-
-
-def _position_order(ordered: bool, k, v, pos, mask):
-    """An ordered monoid folds keys in the order given: sort the slots by position."""
-    if not ordered:
-        return k, v, pos, mask
-    order = jnp.argsort(pos, stable=True)
-    k, v, pos = jnp.take(k, order, axis=0), jnp.take(v, order, axis=0), jnp.take(pos, order)
-    if mask is not None:
-        mask = jnp.take(mask, order, axis=-1)
-    return k, v, pos, mask
+    return f"{type(energy).__name__}(...)"
 
 
 def _row_dims(dims: Dims) -> Dims:
     return dataclasses.replace(dims, batch=1, layout="bshd")
 
 
-def _bshd(dims: Dims, k, v):
-    if dims.layout == "bhsd":
-        return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    return k, v
+def _position_order(dims: Dims, k, v, pos, mask):
+    """The slots of one row sorted by position (an ordered monoid folds keys in the order
+    given): a gather of K and V, on one device."""
+    order = jnp.argsort(pos, stable=True)
+    axis = 0 if dims.layout == "bshd" else 1
+    k, v, pos = jnp.take(k, order, axis=axis), jnp.take(v, order, axis=axis), jnp.take(pos, order)
+    if mask is not None:
+        mask = jnp.take(mask, order, axis=-1)
+    return k, v, pos, mask
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "causal", "window", "scale"))
-def energy_flash(
-    energy, q, k, v, offsets, lengths, positions, mask, *, dims, causal, window, scale
-):
-    """`(out, F)` of `flash_attention(energy=...)` on checked arguments (those of
-    `run_kernel`): every batch row with `energy_partial`, under `vmap`."""
-    k, v = _bshd(dims, k, v)
-    row_dims = _row_dims(dims)
+def _rows(partial, q, k, v, q_offset, kv_length, kv_pos, mask, energy, static: Static):
+    """`partial` (`energy_partial` or its twin) on every batch row under `vmap`, with each
+    row's visibility and key positions."""
+    dims = static.dims
     ordered = not energy.monoid.commutative
+    positioned = kv_pos is not None
 
     def row(q, k, v, offset, length, pos, m):
         if pos is None:
             pos = jnp.arange(dims.kv_seq, dtype=jnp.int32)
-        else:
-            k, v, pos, m = _position_order(ordered, k, v, pos, m)
+        elif ordered:
+            k, v, pos, m = _position_order(dims, k, v, pos, m)
         vis = visibility(
-            row_dims,
-            causal=causal,
+            _row_dims(dims),
+            causal=static.causal,
             q_offset=offset,
             kv_positions=pos,
-            kv_length=length,
+            kv_length=length if static.has_length or positioned else None,
             mask=m,
-            window=window,
+            window=static.window,
         )
-        kw = {"kv_total": dims.kv_seq, "visible": vis, "scale": scale}
-        return energy_partial(q, k, v, energy=energy, kv_positions=pos, q_offset=offset, **kw)
+        kw = {"kv_total": dims.kv_seq, "visible": vis, "scale": static.scale}
+        return partial(
+            q, k, v, energy=energy, kv_positions=pos, q_offset=offset, kv_layout=dims.layout, **kw
+        )
 
-    with jax.named_scope("flash_attention_energy"):
-        out, f = jax.vmap(row)(q, k, v, offsets, lengths, positions, mask)
-    return out, f
+    return _each_row(row, q, k, v, q_offset, kv_length, kv_pos, mask)
+
+
+def _each_row(row, *args):
+    """`row` over the batch axis of every argument (None stays None): one call for one row,
+    which reads a cache buffer given with a unit batch axis where it lies (`vmap` would make
+    every product a batched one with two batch axes, for which XLA:CPU copies K), else
+    `vmap`."""
+    if args[0].shape[0] == 1:
+        one = row(*(None if x is None else x[0] for x in args))
+        return jax.tree.map(lambda x: x[None], one)
+    return jax.vmap(row)(*args)
+
+
+def _mask_of(static: Static, length, m):
+    """One row's mask `[q_seq, kv]` or `[heads, q_seq, kv]` for `energy_attention`: the
+    user's mask and the filled length (causality and the window go as they are)."""
+    dims = static.dims
+    filled = None
+    if static.has_length:
+        filled = (jnp.arange(dims.kv_seq, dtype=jnp.int32) < length)[None, None, :]
+    if m is None:
+        if filled is None:
+            return None
+        return jnp.broadcast_to(filled[0], (dims.q_seq, dims.kv_seq))
+    both = m if filled is None else m & filled
+    if m.shape[0] == 1:
+        return jnp.broadcast_to(both[0], (dims.q_seq, dims.kv_seq))
+    return jnp.broadcast_to(both, (dims.heads, dims.q_seq, dims.kv_seq))
+
+
+def energy_forward(q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, *, static: Static):
+    """`(out, F)` of the `"energy"` kernel: $\\partial F/\\partial\\zeta$ at 0 and $F(0)$ of
+    every row. Rows of up to `IN_PLACE_LOGITS` logits (or with key positions) read K and V
+    where they lie (`energy_partial`, head-major in place); longer ones go blockwise."""
+    dims = static.dims
+    kw = {"kv_finite": static.kv_finite}
+    if dims.heads * dims.q_seq * dims.kv_seq <= IN_PLACE_LOGITS or kv_pos is not None:
+        with jax.named_scope("energy_kernel"):
+            partial = functools.partial(energy_partial, **kw)
+            return _rows(partial, q, k, v, q_offset, kv_length, kv_pos, mask, energy, static)
+    if dims.layout == "bhsd":  # a long call: blockwise over `[kv, kv_heads, d]` keys
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+    def row(q, k, v, offset, length, m):
+        return energy_attention(
+            q,
+            k,
+            v,
+            causal=static.causal,
+            mask=_mask_of(static, length, m),
+            scale=static.scale,
+            q_offset=offset,
+            local_window_size=static.window,
+            energy=energy,
+            block_size=static.block,
+            return_free_energy=True,
+        )
+
+    with jax.named_scope("energy_kernel_blockwise"):
+        return _each_row(row, q, k, v, q_offset, kv_length, mask)
+
+
+def energy_reference_forward(
+    q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, *, static: Static
+):
+    """`(out, F)` of the `"reference"` kernel for another energy than softmax: its definition
+    folded key by key (`energy_partial_reference`), every batch row under `vmap`."""
+    with jax.named_scope("energy_reference"):
+        args = (q, k, v, q_offset, kv_length, kv_pos, mask, energy, static)
+        return _rows(energy_partial_reference, *args)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "scale", "reduction", "schedule", "kv_total"))
@@ -180,7 +194,6 @@ def energy_sharded(
 
     def local(q, k, v, offsets, lengths, positions, mask, bias):
         del bias
-        k, v = _bshd(dims, k, v)
         me = plan.local_shard()
         start = me * n
 
@@ -191,8 +204,8 @@ def energy_sharded(
             else:
                 if pos is None:
                     pos = start + jnp.arange(n, dtype=jnp.int32)
-                elif plan.devices == 1:
-                    k, v, pos, m = _position_order(ordered, k, v, pos, m)
+                elif plan.devices == 1 and ordered:
+                    k, v, pos, m = _position_order(dims, k, v, pos, m)
                 vis = visibility(
                     row_dims,
                     causal=plan.causal,
@@ -204,6 +217,7 @@ def energy_sharded(
                 )
             kw = {"kv_total": kv_total, "visible": vis, "scale": scale, "rank": start}
             kw |= {"axis_name": plan.axis_name, "reduction": reduction, "schedule": schedule}
+            kw |= {"kv_layout": dims.layout, "kv_finite": plan.kv_finite}
             return energy_partial(q, k, v, energy=energy, kv_positions=pos, q_offset=offset, **kw)
 
         out, _ = jax.vmap(row)(q, k, v, offsets, lengths, positions, mask)

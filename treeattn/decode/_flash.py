@@ -16,10 +16,9 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import Layout, check_window, compute_dtype, default_scale
 from ..energy import Energy, is_plain_softmax
 from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
-from ._energies import SOFTMAX, check_energy, check_general_call, energy_flash
-from ._reference import reference_forward
-from ._registry import Backend, Choice, dispatch, kernel_call, resolve
-from ._xla import fused
+from ._energies import SOFTMAX, check_energy
+from ._registry import Backend, Choice, differentiable, dispatch, kernel_call, resolve
+from ._xla import Static, fused
 
 
 def flash_attention(
@@ -39,6 +38,7 @@ def flash_attention(
     mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     energy: Energy | None = SOFTMAX,
+    kv_finite: bool = False,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     r"""Fused attention of local keys, returning the output and its log-sum-exp.
 
@@ -64,9 +64,10 @@ def flash_attention(
       (Traced values are not checked: a negative length sees no key.)
     - `scale`: a Python float, default $1/\sqrt{dim}$.
     - `backend`: `"auto"`, `"flash_attn_jax"`, `"cudnn"`, `"pallas"`, `"cpu"` (a C++ kernel
-      for XLA:CPU, built on first use), `"xla"`, `"reference"`, or an ordered sequence of them
-      (the first eligible one runs, e.g. `("pallas", "auto")`); see `docs/decode.md`. When none
-      can run the call, raises `BackendUnavailable` saying why.
+      for XLA:CPU, built on first use), `"xla"`, `"energy"` (the gradient of the energy's
+      free energy, any energy), `"reference"` (written out in plain `jnp`), or an ordered
+      sequence of them (the first eligible one runs, e.g. `("pallas", "auto")`); see
+      `docs/decode.md`. When none can run the call, raises `BackendUnavailable` saying why.
     - `kv_positions`: absolute position of each key slot (`[kv_seq]` or `[batch, kv_seq]`), for
       caches not stored in position order (round-robin over devices); default: slot `a` holds
       position `a`. A key counts when its position is below `kv_length` (and, when causal, not
@@ -82,17 +83,19 @@ def flash_attention(
       added to the scaled logits, same shapes, differentiable. The `"xla"` and `"reference"`
       backends take them.
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()` (None means the
-      same), served by the kernels above. Any other energy is served by its general path,
-      [`energy_partial`][treeattn.energy.energy_partial], every batch row under `vmap`: the
-      energy's logits (with absolute query and key positions: ALiBi), its monoid over the
-      visible keys (the same lengths, causality, window, mask and `kv_positions`; an ordered
-      monoid folds the keys in position order, whatever slots hold them), and
-      $o = \partial F/\partial\zeta|_0$. No kernel is fused for a general energy: `backend`
-      must allow `"auto"` or `"reference"` (others raise `BackendUnavailable` naming the
-      energy), `bias` is refused, `block_size` is unused (a row's logits are materialised).
-      The second result is then the energy's free energy at $\zeta = 0$ (the log-sum-exp
-      for softmax-like energies; partials of other energies merge with the energy's monoid,
-      not `merge_partials`).
+      same). Another energy is served by the `"energy"` kernel (`"auto"` picks it) or by
+      `"reference"`: every batch row's $o = \partial F/\partial\zeta|_0$ through
+      [`energy_partial`][treeattn.energy.energy_partial], with the energy's logits at
+      absolute query and key positions (ALiBi), its monoid over the visible keys (the same
+      lengths, causality, window, mask and `kv_positions`; an ordered monoid folds the keys in
+      position order, whatever slots hold them); a row of more than $2^{24}$ logits without
+      `kv_positions` goes blockwise (`energy_attention`). `bias` is refused with another
+      energy (its logits are its own). The second result is then the energy's free energy at
+      $\zeta = 0$ (the log-sum-exp for softmax-like energies; partials of other energies merge
+      with the energy's monoid, not `merge_partials`).
+    - `kv_finite`: True promises that every key and value is finite (a zero-initialised KV
+      cache): the `"energy"` kernel then reads a cache without the pass that keeps a NaN in a
+      slot a row does not see from reaching it (the fused kernels need no such pass).
 
     **Returns:** `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input dtype, `lse`
     float32 (float64 for float64 inputs) `[batch, q_seq, heads]` — the layout of
@@ -119,17 +122,6 @@ def flash_attention(
     bias = check_logits_operand(fn, "bias", bias, dims)
     positions = positions_per_row(kv_positions, dims)
     energy = check_energy(fn, energy)
-    if not is_plain_softmax(energy):
-        check_general_call(fn, energy, backend, bias=bias)
-        offsets = per_row(q_offset, dims.batch, 0)
-        lengths = per_row(kv_length, dims.batch, dims.kv_seq)
-        if positions is None:
-            lengths = jnp.minimum(lengths, dims.kv_seq)
-        kw = {"dims": dims, "causal": causal, "window": window}
-        s = default_scale(dims.qk, scale)
-        # A traced negative length or offset sees no key / no earlier key, as for the kernels.
-        lengths = jnp.maximum(lengths, 0)
-        return energy_flash(energy, q, k, v, offsets, lengths, positions, mask, scale=s, **kw)
     call = kernel_call(
         dims,
         jnp.result_type(q),
@@ -140,30 +132,27 @@ def flash_attention(
         window=window,
         has_mask=mask is not None,
         has_bias=bias is not None,
+        energy=energy,
     )
     choice = resolve(fn, backend, call)
-    s = default_scale(dims.qk, scale)
+    static = Static(
+        dims,
+        causal,
+        window,
+        default_scale(dims.qk, scale),
+        block_size,
+        has_length=kv_length is not None,
+        kv_finite=bool(kv_finite),
+    )
     offsets = per_row(q_offset, dims.batch, 0)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     if positions is None:
         lengths = jnp.minimum(lengths, dims.kv_seq)
+    args = (q, k, v, offsets, lengths, positions, mask, bias)
+    # Softmax is the kernels' own (None): its Python-number fields are not traced operands.
+    general = None if is_plain_softmax(energy) else energy
     try:
-        return run_kernel(
-            choice,
-            q,
-            k,
-            v,
-            offsets,
-            lengths,
-            positions,
-            mask,
-            bias,
-            dims=dims,
-            causal=causal,
-            window=window,
-            scale=s,
-            block=block_size,
-        )
+        return run_kernel(choice, *args, energy=general, static=static)
     except TypeError as e:
         if "forward-mode" not in str(e):
             raise
@@ -171,13 +160,11 @@ def flash_attention(
             f"{fn}: forward-mode differentiation (jax.jvp, jax.jacfwd) is not defined for the "
             f"fused kernels ({'/'.join(sorted({n for _, n in choice.kernels}))}), whose gradient "
             "is a custom VJP; use reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
-            "backend='reference', which JAX differentiates in either mode"
+            "backend='energy' or 'reference', which JAX differentiates in either mode"
         ) from e
 
 
-@functools.partial(
-    jax.jit, static_argnames=("choice", "dims", "causal", "window", "scale", "block")
-)
+@functools.partial(jax.jit, static_argnames=("choice", "static"))
 def run_kernel(
     choice: Choice,
     q,
@@ -189,57 +176,29 @@ def run_kernel(
     mask=None,
     bias=None,
     *,
-    dims,
-    causal,
-    window=None,
-    scale,
-    block=None,
+    energy: Energy | None = None,
+    static: Static,
 ):
     """The kernels of `choice` (one per lowering platform, picked when the program is lowered)
     on checked arguments: offsets and lengths int32 `[batch]`, positions int32
     `[batch, kv_seq]` or None, mask and bias `[batch, #heads, #q_seq, kv_seq]` or None,
-    `window` a `(left, right)` pair or None, `scale` a float. Returns `(out, lse)` (see
+    `energy` (None: `Softmax()`, which must be passed as None), and the call's `Static` part. Returns `(out, lse)` (see
     `flash_attention`). Lowering for a platform where `choice` has no kernel raises
     `BackendUnavailable`."""
-    if dims.kv_seq == 0:  # no key at all: the identity of the merge, by construction
+    dims = static.dims
+    if dims.kv_seq == 0 and energy is None:
+        # No key at all: the identity of the merge, by construction (another energy reads out
+        # its own identity, a sink included).
         out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
         return out, jnp.full(out.shape[:-1], -jnp.inf, compute_dtype(q.dtype))
     # A traced negative length or offset sees no key / no earlier key: clipped, not refused.
     kv_length = jnp.maximum(kv_length, 0)
     names = {name for _, name in choice.kernels}
+    forward = dispatch(choice)
     with jax.named_scope("flash_attention_" + "_".join(sorted(names))):
-        if names == {"reference"} and not choice.refusals:
-            return reference_forward(
-                q,
-                k,
-                v,
-                q_offset,
-                kv_length,
-                kv_pos,
-                mask,
-                bias,
-                dims=dims,
-                causal=causal,
-                window=window,
-                scale=scale,
-            )
-        forward = dispatch(choice)
-        return fused(
-            forward,
-            q,
-            k,
-            v,
-            q_offset,
-            kv_length,
-            kv_pos,
-            mask,
-            bias,
-            dims,
-            causal,
-            window,
-            scale,
-            block,
-        )
+        if differentiable(choice):
+            return forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, static=static)
+        return fused(forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, static)
 
 
 def flash_attention_reference(
@@ -260,7 +219,8 @@ def flash_attention_reference(
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     """The float32 twin of [`flash_attention`][treeattn.decode.flash_attention]: all logits
     written out, plain `jnp`, differentiated by JAX; written independently of the kernels.
-    With another `energy`, its general path (which is itself plain `jnp`)."""
+    With another `energy`, its definition folded key by key
+    ([`energy_partial_reference`][treeattn.energy.energy_partial_reference])."""
     return flash_attention(
         q,
         k,

@@ -15,6 +15,7 @@ from jaxtyping import Array
 from .._numerics import Dims, Layout, Window, check_window
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
+from ..energy import Energy, is_plain_softmax
 from ._checks import (
     check_decode,
     check_logits_operand,
@@ -22,8 +23,10 @@ from ._checks import (
     per_row,
     positions_per_row,
 )
+from ._energies import name_of
 from ._flash import run_kernel
-from ._registry import Backend, Choice, kernel_call, resolve
+from ._registry import Backend, BackendUnavailable, Choice, kernel_call, resolve
+from ._xla import Static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +36,14 @@ class DecodePlan:
     sharding: SequenceSharding
     dims: Dims  # of one shard
     causal: bool
-    kernel: Choice | None  # resolved for one shard, per lowering platform (None: an energy's
-    # general path serves the call)
+    kernel: Choice  # resolved for one shard, per lowering platform
     positional: bool  # the keys carry explicit positions (kv_positions), sharded with K/V
     window: Window | None = None  # a sliding window by absolute position
     has_mask: bool = False  # a mask [batch, #heads, #q_seq, kv_seq], sharded with K/V
     has_bias: bool = False  # a bias, the same
     per_shard: bool = False  # lengths are [batch, devices]: each shard's filled slots
+    general: bool = False  # another energy than softmax: its monoid merges the shards
+    kv_finite: bool = False  # every key and value is known to be finite
 
     @property
     def axis_name(self) -> AxisName:
@@ -79,22 +83,9 @@ class DecodePlan:
         of every ring hop. Positions stay absolute (the window and causality hold across
         shards): the query offset is moved by the shard's first position."""
         q_off, kv_len = self.local_view(q_offset, kv_length, shard)
-        assert self.kernel is not None
-        out, lse = run_kernel(
-            self.kernel,
-            q,
-            k,
-            v,
-            q_off,
-            kv_len,
-            positions,
-            mask,
-            bias,
-            dims=self.dims,
-            causal=self.causal,
-            window=self.window,
-            scale=scale,
-        )
+        static = Static(self.dims, self.causal, self.window, scale, kv_finite=self.kv_finite)
+        args = (q, k, v, q_off, kv_len, positions, mask, bias)
+        out, lse = run_kernel(self.kernel, *args, static=static)
         return out.astype(jnp.float32), lse
 
 
@@ -118,13 +109,15 @@ def plan_decode(
     mask=None,
     bias=None,
     shard_lengths=None,
-    kernel: bool = True,
+    energy: Energy,
+    kv_finite: bool = False,
 ):
     """Check the arguments, pad the cache (and the mask and bias) to a multiple of the device
     count if it must, and plan the call. Returns `(plan, q, k, v, q_offset[batch],
     kv_length[batch], positions, mask, bias)`; with `shard_lengths`, the lengths are
     `[batch, devices]` and the call is planned without causality (every query sees every
-    filled key). `kernel=False` plans without a kernel (an energy's general path)."""
+    filled key). Another energy than softmax is planned on the `"energy"` kernel, whose
+    monoid states merge across the devices; what that cannot take is refused here."""
     dims = check_decode(
         fn,
         q,
@@ -142,6 +135,8 @@ def plan_decode(
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
+    _check_energy_schedule(fn, energy, sharding.devices, kv_positions, shard_lengths)
+    extra = {"energy": energy, "kv_finite": bool(kv_finite)}
     if shard_lengths is not None:
         if window is not None:
             raise ValueError(
@@ -158,7 +153,7 @@ def plan_decode(
             q_offset=q_offset,
             kv_positions=kv_positions,
         )
-        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias, kernel)
+        return _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias, extra)
     lengths = per_row(kv_length, dims.batch, dims.kv_seq)
     positions = positions_per_row(kv_positions, dims)
     if positions is None:
@@ -182,30 +177,17 @@ def plan_decode(
             bias = sharding.pad(bias, 3)
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
     positional = positions is not None
-    plan = _plan(
-        fn, sharding, local, q, backend, causal, positional, window, mask, bias, kernel=kernel
-    )
+    plan = _plan(fn, sharding, local, q, backend, causal, positional, window, mask, bias, **extra)
     return plan, q, k, v, offsets, lengths, positions, mask, bias
 
 
-def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias, kernel=True):
+def _plan_per_shard(fn, sharding, dims, q, k, v, fills, backend, mask, bias, extra):
     """The plan of a call with per-shard fill lengths: each shard's kernel masks its slots by
     a length alone, which every fused kernel takes (no positions, no causal mask, no copy)."""
     lengths = jnp.maximum(fills, 0)  # a traced negative length sees no key
     local = dataclasses.replace(dims, kv_seq=dims.kv_seq // sharding.devices)
     plan = _plan(
-        fn,
-        sharding,
-        local,
-        q,
-        backend,
-        False,
-        False,
-        None,
-        mask,
-        bias,
-        per_shard=True,
-        kernel=kernel,
+        fn, sharding, local, q, backend, False, False, None, mask, bias, per_shard=True, **extra
     )
     return plan, q, k, v, per_row(0, dims.batch, 0), lengths, None, mask, bias
 
@@ -223,7 +205,8 @@ def _plan(
     bias,
     *,
     per_shard=False,
-    kernel=True,
+    energy: Energy,
+    kv_finite: bool = False,
 ) -> DecodePlan:
     """The plan of one shard's call (`local` its sizes), its kernel resolved per platform."""
     call = kernel_call(
@@ -236,15 +219,44 @@ def _plan(
         window=window,
         has_mask=mask is not None,
         has_bias=bias is not None,
+        energy=energy,
     )
+    choice = resolve(fn, backend, call)
+    general = not is_plain_softmax(energy)
+    if general and {name for _, name in choice.kernels} != {"energy"}:
+        raise BackendUnavailable(
+            f"{fn}: backend={backend!r} cannot serve energy={name_of(energy)} across devices: "
+            "its monoid states merge on the 'energy' kernel (pass backend='auto' or 'energy')"
+        )
     return DecodePlan(
         sharding,
         local,
         causal,
-        resolve(fn, backend, call) if kernel else None,
+        choice,
         positional,
         window=window,
         has_mask=mask is not None,
         has_bias=bias is not None,
         per_shard=per_shard,
+        general=general,
+        kv_finite=kv_finite,
     )
+
+
+def _check_energy_schedule(fn, energy: Energy, devices: int, kv_positions, shard_lengths) -> None:
+    """What the schedule of a sharded energy cannot take, refused with the reason."""
+    ordered = not energy.monoid.commutative
+    if ordered and kv_positions is not None and devices > 1:
+        raise ValueError(
+            f"{fn}: energy={name_of(energy)} has an ordered monoid ({energy.monoid.name}), "
+            f"folded across the {devices} devices shard by shard, which needs every shard to "
+            "hold one contiguous range of positions; kv_positions (e.g. a round-robin cache, "
+            "whose shards interleave) does not give that: store the cache in position order and "
+            "pass kv_length, or use flash_attention (one device folds by position)"
+        )
+    if shard_lengths is not None and (ordered or energy.reads_positions):
+        what = "their order (an ordered monoid)" if ordered else "their positions in its logits"
+        raise ValueError(
+            f"{fn}: energy={name_of(energy)} reads the keys' {what}, which shard_lengths (fill "
+            "counts) does not give; pass kv_positions and kv_length instead"
+        )

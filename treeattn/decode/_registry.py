@@ -27,14 +27,16 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from .._numerics import Dims, Window, compute_dtype
+from .._numerics import Dims, Layout, Window, compute_dtype
+from ..energy import Energy, is_plain_softmax
+from ._energies import SOFTMAX, energy_forward, energy_reference_forward, name_of
 from ._gpu import cudnn_forward, flash_attn_jax_forward, pallas_forward
 from ._native import cpu_forward, load_kernel
 from ._reference import reference_forward
 from ._xla import xla_forward
 
 
-Backend = Literal["auto", "flash_attn_jax", "cudnn", "pallas", "cpu", "xla", "reference"]
+Backend = Literal["auto", "flash_attn_jax", "cudnn", "pallas", "cpu", "xla", "energy", "reference"]
 """A kernel of `flash_attention`, or `"auto"`: the first eligible one for the platform."""
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
@@ -198,6 +200,7 @@ class Call:
     window: Window | None = None  # a sliding window (left, right) by absolute position
     has_mask: bool = False  # a boolean mask [batch, #heads, #q_seq, kv_seq]
     has_bias: bool = False  # an additive bias on the logits, same shape
+    energy: str | None = None  # None: `Softmax()`; else the energy, named for messages
 
     def extras(self) -> str | None:
         """What of a window, mask and bias this call uses (for the kernels that take none
@@ -216,12 +219,26 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One kernel: `why_not(call)` is None when it can serve the call, else the reason;
-    `forward` maps the common call to `(out, lse)` (see `_xla.py`)."""
+    """One kernel and every fact about it.
+
+    - `why_not(call)`: None when it can serve the call, else the reason (citing the upstream
+      limit); whether it computes the call's energy is checked from `energies`.
+    - `forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static,
+      platform)`: the common call of `_xla.py` to `(out, lse)`, lse float32
+      `[batch, q_seq, heads]` (for another energy than softmax, its free energy at 0).
+    - `layout`: the layout of K and V it reads where they lie (a KV cache for it is allocated
+      so); the other is transposed first.
+    - `energies`: `"softmax"` (`Softmax()` only) or `"any"` (every `Energy`).
+    - `differentiable`: JAX differentiates its forward (both modes); otherwise its gradient is
+      the shared blockwise backward of softmax (`_xla.fused`), reverse mode only.
+    """
 
     name: Backend
     why_not: Callable[[Call], str | None]
-    forward: Callable | None  # None: differentiated by JAX itself (the reference)
+    forward: Callable
+    layout: Layout
+    energies: Literal["softmax", "any"] = "softmax"
+    differentiable: bool = False
 
 
 def _cpu_why_not(call: Call) -> str | None:
@@ -328,15 +345,96 @@ def _flash_attn_jax_why_not(call: Call) -> str | None:
     return None
 
 
+def _energy_why_not(call: Call) -> str | None:
+    if call.has_bias:
+        return (
+            "it takes no bias: an energy's logits are its own (energy.logits); write the bias "
+            "into a subclass's logits, or pass a mask"
+        )
+    return None
+
+
+def _reference_why_not(call: Call) -> str | None:
+    if call.has_bias and call.energy is not None:
+        return (
+            f"it takes no bias with energy={call.energy}: an energy's logits are its own "
+            "(energy.logits); write the bias into a subclass's logits, or pass a mask"
+        )
+    return None
+
+
+def _softmax_kernel(forward: Callable) -> Callable:
+    """A softmax kernel's forward in the common signature (it reads no energy, no platform)."""
+
+    def run(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
+        del energy, platform
+        kw = dict(dims=static.dims, causal=static.causal, window=static.window)
+        return forward(
+            q,
+            k,
+            v,
+            q_offset,
+            kv_length,
+            kv_pos,
+            mask,
+            bias,
+            **kw,
+            scale=static.scale,
+            block=static.block,
+        )
+
+    return run
+
+
+def _pallas(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
+    # Triton on CUDA; interpreted elsewhere (the CPU tests run it so).
+    run = functools.partial(pallas_forward, interpret=platform != "cuda")
+    return _softmax_kernel(run)(
+        q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, static=static, platform=platform
+    )
+
+
+def _reference(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
+    """Softmax written out (`_reference.py`), or another energy's definition key by key."""
+    del platform
+    if energy is None or is_plain_softmax(energy):
+        kw = dict(dims=static.dims, causal=static.causal, window=static.window)
+        return reference_forward(
+            q, k, v, q_offset, kv_length, kv_pos, mask, bias, **kw, scale=static.scale
+        )
+    return energy_reference_forward(
+        q, k, v, q_offset, kv_length, kv_pos, mask, energy, static=static
+    )
+
+
+def _energy(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
+    del platform, bias  # a bias is refused by eligibility
+    energy = SOFTMAX if energy is None else energy
+    return energy_forward(q, k, v, q_offset, kv_length, kv_pos, mask, energy, static=static)
+
+
 KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
-        Kernel("flash_attn_jax", _flash_attn_jax_why_not, flash_attn_jax_forward),
-        Kernel("cudnn", _cudnn_why_not, cudnn_forward),
-        Kernel("pallas", _pallas_why_not, pallas_forward),
-        Kernel("cpu", _cpu_why_not, cpu_forward),
-        Kernel("xla", lambda call: None, xla_forward),
-        Kernel("reference", lambda call: None, None),
+        Kernel(
+            "flash_attn_jax",
+            _flash_attn_jax_why_not,
+            _softmax_kernel(flash_attn_jax_forward),
+            layout="bshd",
+        ),
+        Kernel("cudnn", _cudnn_why_not, _softmax_kernel(cudnn_forward), layout="bshd"),
+        Kernel("pallas", _pallas_why_not, _pallas, layout="bshd"),
+        Kernel("cpu", _cpu_why_not, _softmax_kernel(cpu_forward), layout="bhsd"),
+        Kernel("xla", lambda call: None, _softmax_kernel(xla_forward), layout="bhsd"),
+        Kernel("energy", _energy_why_not, _energy, "bhsd", energies="any", differentiable=True),
+        Kernel(
+            "reference",
+            _reference_why_not,
+            _reference,
+            "bshd",
+            energies="any",
+            differentiable=True,
+        ),
     )
 }
 
@@ -351,7 +449,10 @@ def auto_order(call: Call) -> tuple[str, ...]:
       does the rest; the C++ kernel is built on first use, so only a CPU process takes it
       (a GPU process lowering for CPU takes xla).
     - ROCm, TPU and anything else: the portable kernel.
+    - Another energy than `Softmax()`: its own path, `"energy"` (no kernel is fused for it).
     """
+    if call.energy is not None:
+        return ("energy",)
     if call.platform == "cuda":
         return ("pallas", "flash_attn_jax", "cudnn", "xla")
     if call.platform == "cpu" and call.host == "cpu" and call.dims.rows <= CPU_MAX_ROWS:
@@ -371,17 +472,28 @@ def check_backend(fn: str, backend) -> tuple[str, ...]:
     return names
 
 
+def why_not(name: str, call: Call) -> str | None:
+    """Why kernel `name` cannot serve `call`, or None."""
+    kernel = KERNELS[name]
+    if call.energy is not None and kernel.energies == "softmax":
+        return (
+            f"it computes softmax only, not energy={call.energy} (the 'energy' kernel "
+            "computes any energy)"
+        )
+    return kernel.why_not(call)
+
+
 def _resolve_one(names: tuple[str, ...], call: Call) -> tuple[str | None, str]:
     """(the kernel for `call`, "") or (None, every reason)."""
     reasons = []
     for name in names:
-        if name == "auto":
-            return next(b for b in auto_order(call) if KERNELS[b].why_not(call) is None), ""
-        reason = KERNELS[name].why_not(call)
-        if reason is None:
-            return name, ""
-        reasons.append(f"backend={name!r} unavailable on {call.platform}: {reason}")
-    return None, "; ".join(reasons)
+        candidates = auto_order(call) if name == "auto" else (name,)
+        for candidate in candidates:
+            reason = why_not(candidate, call)
+            if reason is None:
+                return candidate, ""
+            reasons.append(f"backend={candidate!r} unavailable on {call.platform}: {reason}")
+    return None, "; ".join(dict.fromkeys(reasons))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,6 +546,7 @@ def kernel_call(
     window: Window | None = None,
     has_mask: bool = False,
     has_bias: bool = False,
+    energy: Energy | None = None,
 ) -> Call:
     """The `Call` record of a kernel call, for this process's platform (`resolve` replaces the
     platform with each lowering platform in turn)."""
@@ -451,6 +564,7 @@ def kernel_call(
         window=window,
         has_mask=has_mask,
         has_bias=has_bias,
+        energy=None if energy is None or is_plain_softmax(energy) else name_of(energy),
     )
 
 
@@ -467,10 +581,11 @@ def select_backend(
     window: Window | None = None,
     has_mask: bool = False,
     has_bias: bool = False,
+    energy: Energy | None = None,
 ) -> str:
     """The kernel `flash_attention` would run for a call of these sizes (`dims` of one call:
-    batch and layout included) when lowered for `platform` (default: this process's);
-    raises `BackendUnavailable` saying why none can."""
+    batch and layout included) and this `energy` (None: `Softmax()`) when lowered for
+    `platform` (default: this process's); raises `BackendUnavailable` saying why none can."""
     call = kernel_call(
         dims,
         dtype,
@@ -481,6 +596,7 @@ def select_backend(
         window=window,
         has_mask=has_mask,
         has_bias=has_bias,
+        energy=energy,
     )
     return resolve("flash_attention", backend, call).kernel(platform or call.host)
 
@@ -516,42 +632,19 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
     """The forward of kernel `name` on `platform` (or the refusal `message`)."""
     gpu = platform in ("cuda", "rocm")
 
-    def run(
-        q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
-    ):
+    def run(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static):
+        dims = static.dims
         out_dtype, lse_dtype = q.dtype, compute_dtype(q.dtype)
         if message is not None:
             out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), out_dtype)
             lse = jnp.full((dims.batch, dims.q_seq, dims.heads), -jnp.inf, lse_dtype)
             out, lse = unavailable_p.bind(out, lse, message=message)
             return out, lse
-        kw = dict(dims=dims, causal=causal, window=window, scale=scale)
         # GPU dots on float32 run in TF32 (~1e-3 relative) unless asked for full precision.
         precise = gpu and jnp.dtype(q.dtype).itemsize >= 4
         with jax.default_matmul_precision("highest") if precise else contextlib.nullcontext():
-            if name == "reference":
-                out, lse = reference_forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, **kw)
-            elif name == "pallas":
-                interpret = platform != "cuda"  # Triton on CUDA; interpreted on CPU (tests)
-                out, lse = pallas_forward(
-                    q,
-                    k,
-                    v,
-                    q_offset,
-                    kv_length,
-                    kv_pos,
-                    mask,
-                    bias,
-                    **kw,
-                    block=block,
-                    interpret=interpret,
-                )
-            else:
-                forward = KERNELS[name].forward
-                assert forward is not None
-                out, lse = forward(
-                    q, k, v, q_offset, kv_length, kv_pos, mask, bias, **kw, block=block
-                )
+            args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy)
+            out, lse = KERNELS[name].forward(*args, static=static, platform=platform)
         return out.astype(out_dtype), lse.astype(lse_dtype)
 
     return run
@@ -559,8 +652,8 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
 
 @functools.cache
 def dispatch(choice: Choice) -> Callable:
-    """The forward of `choice`: `(q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims,
-    causal, window, scale, block) -> (out, lse)`, staging each platform's kernel with
+    """The forward of `choice`: `(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *,
+    static) -> (out, lse)`, staging each platform's kernel with
     `jax.lax.platform_dependent`; platforms sharing a kernel share one branch."""
     per_platform: dict[str, tuple[str, str | None]] = {}
     for p, name in choice.kernels:
@@ -574,19 +667,16 @@ def dispatch(choice: Choice) -> Callable:
     }
     branches = {key: _branch(key[0], p, key[1]) for p, key in reversed(keys.items())}
 
-    def forward(
-        q, k, v, q_offset, kv_length, kv_pos, mask, bias, *, dims, causal, window, scale, block
-    ):
-        bound = {
-            key: functools.partial(
-                b, dims=dims, causal=causal, window=window, scale=scale, block=block
-            )
-            for key, b in branches.items()
-        }
+    def forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy=None, *, static):
+        bound = {key: functools.partial(b, static=static) for key, b in branches.items()}
         by_platform = {p: bound[keys[p]] for p in PLATFORMS}
         default = by_platform.pop("tpu")
-        return jax.lax.platform_dependent(
-            q, k, v, q_offset, kv_length, kv_pos, mask, bias, default=default, **by_platform
-        )
+        args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy)
+        return jax.lax.platform_dependent(*args, default=default, **by_platform)
 
     return forward
+
+
+def differentiable(choice: Choice) -> bool:
+    """Whether JAX differentiates every kernel of `choice` (else the shared backward runs)."""
+    return all(KERNELS[name].differentiable for _, name in choice.kernels)

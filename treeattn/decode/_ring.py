@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_partials
 from ..energy import Energy
-from ._energies import SOFTMAX, check_energy, check_sharded_call, energy_sharded
+from ._energies import SOFTMAX, check_energy, energy_sharded
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -43,6 +43,7 @@ def ring_decode(
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
     energy: Energy | None = SOFTMAX,
+    kv_finite: bool = False,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].
@@ -62,16 +63,6 @@ def ring_decode(
     del reduction
     fn = "ring_decode"
     energy = check_energy(fn, energy)
-    general = check_sharded_call(
-        fn,
-        energy,
-        backend,
-        mesh,
-        kv_axis,
-        bias=bias,
-        kv_positions=kv_positions,
-        shard_lengths=shard_lengths,
-    )
     kv_total = k.shape[1 if kv_layout == "bshd" else 2]
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
         fn,
@@ -92,10 +83,11 @@ def ring_decode(
         mask=mask,
         bias=bias,
         shard_lengths=shard_lengths,
-        kernel=not general,
+        energy=energy,
+        kv_finite=kv_finite,
     )
     s = default_scale(plan.dims.qk, scale)
-    if general:
+    if plan.general:
         kw = {"scale": s, "reduction": "allreduce", "schedule": "ring", "kv_total": kv_total}
         return energy_sharded(plan, energy, q, k, v, offsets, lengths, positions, mask, **kw)
     return _ring(plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s)

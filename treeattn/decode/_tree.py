@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._numerics import Layout, default_scale
 from .._partials import Reduction, merge_across
 from ..energy import Energy
-from ._energies import SOFTMAX, check_energy, check_sharded_call, energy_sharded
+from ._energies import SOFTMAX, check_energy, energy_sharded
 from ._plan import DecodePlan, plan_decode
 from ._registry import Backend
 
@@ -42,6 +42,7 @@ def tree_decode(
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
     energy: Energy | None = SOFTMAX,
+    kv_finite: bool = False,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -83,16 +84,18 @@ def tree_decode(
       must lie in `[0, kv_seq / p]` (checked when concrete; traced ones are clipped).
     - `scale`, `backend`, `reduction`, `kv_layout`: see `flash_attention` and the schedules.
     - `energy`: the [`Energy`][treeattn.energy.Energy] (default `Softmax()`, through the
-      kernels; None means the same). Any other energy takes its general path
+      kernels; None means the same). Any other energy runs on the `"energy"` kernel
       ([`energy_partial`][treeattn.energy.energy_partial], every batch row under `vmap`): each
       shard's keys lift to the energy's monoid state, with absolute key positions (ALiBi) and
       the same visibility (lengths, causality, window, mask, `kv_positions`), and the states
       merge with the monoid's schedule for `reduction` — a log-sum-exp with a max and a sum, a
       sum with one all-reduce, an ordered monoid (stick-breaking) with one all-gather folded
-      by shard position. `backend` must then allow `"auto"` or `"reference"`; `bias` is
+      by shard position. `backend` must then allow `"auto"` or `"energy"`; `bias` is
       refused (an energy's logits are its own). An ordered monoid on more than one device
       refuses `kv_positions` (a round-robin cache's shards interleave, so no shard order is
-      the position order) and, like ALiBi, `shard_lengths` (no positions).
+      the position order); `shard_lengths` (fill counts, no positions) refuses an ordered
+      monoid and an energy whose logits read positions (`energy.reads_positions`).
+    - `kv_finite`: as in `flash_attention` (every key and value is finite).
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
     caches in multiples of it.
@@ -101,16 +104,6 @@ def tree_decode(
     """
     fn = "tree_decode"
     energy = check_energy(fn, energy)
-    general = check_sharded_call(
-        fn,
-        energy,
-        backend,
-        mesh,
-        kv_axis,
-        bias=bias,
-        kv_positions=kv_positions,
-        shard_lengths=shard_lengths,
-    )
     kv_total = k.shape[1 if kv_layout == "bshd" else 2]
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
         fn,
@@ -131,13 +124,13 @@ def tree_decode(
         mask=mask,
         bias=bias,
         shard_lengths=shard_lengths,
-        kernel=not general,
+        energy=energy,
+        kv_finite=kv_finite,
     )
-    if general:
-        s = default_scale(plan.dims.qk, scale)
+    s = default_scale(plan.dims.qk, scale)
+    if plan.general:
         kw = {"scale": s, "reduction": reduction, "schedule": "tree", "kv_total": kv_total}
         return energy_sharded(plan, energy, q, k, v, offsets, lengths, positions, mask, **kw)
-    s = default_scale(plan.dims.qk, scale)
     return _tree(
         plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s, reduction=reduction
     )

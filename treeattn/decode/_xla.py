@@ -334,50 +334,49 @@ def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scal
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 9, 10, 11, 12, 13))
-def fused(
-    forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, dims, causal, window, scale, block
-):
-    """`forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, ...)` -> (out, lse), with
-    the blockwise backward (differentiable in q, k, v and the bias).
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What a kernel call fixes at trace time (hashable): the sizes and layout, the causal flag,
+    the sliding window, the scale, the block size (None: the kernel's own), whether the call
+    has a filled length (a KV cache) and whether its keys and values are known to be finite."""
+
+    dims: Dims
+    causal: bool
+    window: tuple[int, int] | None
+    scale: float
+    block: int | None = None
+    has_length: bool = True
+    kv_finite: bool = False
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 9))
+def fused(forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, static: Static):
+    """`forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, None, static=static)` ->
+    (out, lse) of softmax, with the blockwise backward (differentiable in q, k, v and the
+    bias).
 
     Kernels whose lse is not differentiable (or whose forward cannot be differentiated at all:
     Pallas, cuDNN's residual, flash-attn-jax, the C++ kernel, a dynamic-length loop) get their
     gradient here. Forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) is not defined for
-    them; use reverse mode, or `backend="reference"`, which JAX differentiates either way.
+    them; use reverse mode, or a kernel that JAX differentiates (`"energy"`, `"reference"`).
     """
-    return forward(
-        q,
-        k,
-        v,
-        q_offset,
-        kv_length,
-        kv_pos,
-        mask,
-        bias,
-        dims=dims,
-        causal=causal,
-        window=window,
-        scale=scale,
-        block=block,
-    )
+    return forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, None, static=static)
 
 
-def _fused_fwd(
-    forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, dims, causal, window, scale, block
-):
+def _fused_fwd(forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, static):
     # Calling `fused` (not `forward`) here keeps the residuals differentiable through this
     # same rule, so the gradient can itself be differentiated (training through attention).
     args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias)
-    out, lse = fused(forward, *args, dims, causal, window, scale, block)  # type: ignore[misc]
+    out, lse = fused(forward, *args, static)  # type: ignore[misc]
     return (out, lse), (*args, out, lse)
 
 
-def _fused_bwd(forward, dims, causal, window, scale, block, res, cts):
+def _fused_bwd(forward, static, res, cts):
     q, k, v, q_offset, kv_length, kv_pos, mask, bias, out, lse = res
     d_out, d_lse = cts
+    dims, scale, block = static.dims, static.scale, static.block
     row_fn = functools.partial(_backward_row, dims=dims, scale=scale, block=block)
-    rows = Row(q_offset, kv_length, kv_pos, mask, bias, causal, window)
+    rows = Row(q_offset, kv_length, kv_pos, mask, bias, static.causal, static.window)
     # On GPUs float32 dots default to TF32 (~1e-3 relative); the backward of float32 inputs
     # asks for full precision (XLA:CPU computes float32 dots in full precision either way).
     precise = jnp.dtype(q.dtype).itemsize >= 4

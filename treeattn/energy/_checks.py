@@ -103,5 +103,6 @@ def check_mask(fn: str, mask: ArrayLike, dims: Dims) -> None:
 
 
 def check_q_offset(fn: str, q_offset, *, name: str = "q_offset") -> None:
-    """`q_offset` is a non-negative Python int or an integer scalar array (traced is fine)."""
-    check_position(fn, name, q_offset)
+    """`q_offset` is a non-negative integer: a Python int or an integer scalar array, whose
+    value is checked when it can be read (concrete); a traced one cannot be."""
+    check_position(fn, name, q_offset, read_arrays=True)

@@ -14,6 +14,7 @@ so one gradient gives every output.
 from __future__ import annotations
 
 import functools
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -249,6 +250,40 @@ def _multihead(
 # ---------------------------------------------------------------------------------------------
 # Attention as a gradient, and its reference twin
 # ---------------------------------------------------------------------------------------------
+
+
+@overload
+def energy_attention(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    causal: bool = ...,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = ...,
+    scale: float | None = ...,
+    q_offset: int | Int[Array, ""] = ...,
+    local_window_size: int | tuple[int, int] | None = ...,
+    energy: Energy = ...,
+    block_size: int | None = ...,
+    return_free_energy: Literal[False] = ...,
+) -> Float[Array, "q_seq heads dv"]: ...
+
+
+@overload
+def energy_attention(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    causal: bool = ...,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = ...,
+    scale: float | None = ...,
+    q_offset: int | Int[Array, ""] = ...,
+    local_window_size: int | tuple[int, int] | None = ...,
+    energy: Energy = ...,
+    block_size: int | None = ...,
+    return_free_energy: Literal[True],
+) -> tuple[Float[Array, "q_seq heads dv"], Float[Array, "q_seq heads"]]: ...
 
 
 def energy_attention(

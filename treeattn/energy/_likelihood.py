@@ -216,7 +216,7 @@ def _solve_one(x, visible, v, z, *, opt, max_steps, rtol, atol):
     differentiable in the logits, the values and the target (`_source`)."""
     empty = ~jnp.any(visible)
     z = jnp.where(empty, 0.0, z)
-    zeta, (res, steps, ok) = _source(opt, max_steps, x, visible, v, z, rtol, atol)
+    zeta, (res, steps, ok) = _source(opt, max_steps, x, visible, v, z, rtol, atol)  # type: ignore[misc]
     energy = functools.partial(_tilted_energy, x=x, visible=visible, v=v)
     # KL(p_ζ || p_0) = z·ζ - F(ζ) + F(0), with z = ∂F/∂ζ(ζ) at the solution.
     kl = jnp.where(empty, 0.0, z @ zeta - energy(zeta) + energy(jnp.zeros_like(zeta)))

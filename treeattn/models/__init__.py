@@ -1,10 +1,7 @@
 """Equinox layers and a Llama-style decoder on every treeattn attention backend."""
 
-from ._attention import (
-    AttentionBackend as AttentionBackend,
-    MultiheadAttention as MultiheadAttention,
-    attend as attend,
-)
+from ..decode import AttentionBackend as AttentionBackend
+from ._attention import MultiheadAttention as MultiheadAttention
 from ._cache import KVCache as KVCache, LinearCache as LinearCache
 from ._config import LlamaConfig as LlamaConfig
 from ._data import (

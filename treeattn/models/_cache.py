@@ -19,7 +19,8 @@ from jaxtyping import Array, Float, Int
 
 from .._numerics import LAYOUTS, Layout
 from .._sharding import SequenceSharding
-from ..energy import LinearKernel, LinearState
+from ..decode import AttentionBackend
+from ..energy import Energy, LinearKernel, LinearState
 
 
 class KVCache(eqx.Module):
@@ -63,7 +64,7 @@ class KVCache(eqx.Module):
     k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, ...], ...]
     v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, ...], ...]
     length: Int[Array, "*batch"]
-    devices: int = eqx.field(static=True, default=1)
+    sharding: SequenceSharding | None = eqx.field(static=True, default=None)
     block: int = eqx.field(static=True, default=1)
     layout: Layout = eqx.field(static=True, default="bhsd")
 
@@ -79,16 +80,19 @@ class KVCache(eqx.Module):
         dtype=jnp.float32,
         mesh: Mesh | None = None,
         kv_axis: str | tuple[str, ...] | None = None,
-        block: int = 16,
+        block: int | None = 16,
         layout: Layout = "bhsd",
         batch: int | None = None,
     ) -> KVCache:
         """An empty cache: one layer's, or with `layers=n` a model's (`n` buffers, one
         length). `layout` is `"bhsd"` (head-major) or `"bshd"`. With `mesh` and `kv_axis`, the
         slots are sharded over that axis and `max_len` is rounded up to a multiple of
-        `devices * block`. With `batch=b`, every buffer and the length get a leading axis of
-        `b` rows (one cache per row, for a model vmapped over a batch, as in `generate`). The
-        buffers are allocated where they live, shard by shard."""
+        `devices * block`; `block=None` gives each shard one contiguous range of positions
+        (the slots in position order, which an ordered energy such as `StickBreaking` needs
+        across devices; the shards then fill one after another). With `batch=b`, every buffer
+        and the length get a leading axis of `b` rows (one cache per row, for a model vmapped
+        over a batch, as in `generate`). The buffers are allocated where they live, shard by
+        shard."""
         if layout not in LAYOUTS:
             raise ValueError(f"KVCache.create: layout must be one of {LAYOUTS}, got {layout!r}")
         if layers is not None and layers < 1:
@@ -97,10 +101,16 @@ class KVCache(eqx.Module):
             raise ValueError(f"KVCache.create: batch must be at least 1, got {batch}")
         rows = () if batch is None else (batch,)
         vo = qk if vo is None else vo
-        devices = 1
+        sharding = None
         if mesh is not None and kv_axis is not None:
-            devices = SequenceSharding.create("KVCache.create", mesh, kv_axis).devices
+            sharding = SequenceSharding.create("KVCache.create", mesh, kv_axis)
+            if sharding.devices == 1:
+                sharding = None
+        devices = 1 if sharding is None else sharding.devices
+        if devices > 1 and block is None:  # one block per shard: the slots in position order
+            block = -(-max_len // devices)
         if devices > 1:
+            assert block is not None
             max_len = -(-max_len // (devices * block)) * devices * block
         else:
             block = max_len
@@ -123,7 +133,17 @@ class KVCache(eqx.Module):
             v = tuple(buffer(vo) for _ in range(layers))
         length = jnp.zeros(rows, jnp.int32)
         _remember(length, 0)
-        return cls(k=k, v=v, length=length, devices=devices, block=block, layout=layout)
+        return cls(k=k, v=v, length=length, sharding=sharding, block=block, layout=layout)
+
+    @property
+    def devices(self) -> int:
+        """The devices the slots are sharded over (1: not sharded)."""
+        return 1 if self.sharding is None else self.sharding.devices
+
+    @property
+    def in_order(self) -> bool:
+        """Whether slot `a` holds position `a` (one device, or one block per shard)."""
+        return self.devices == 1 or self.block * self.devices == self.max_len
 
     @property
     def layers(self) -> int | None:
@@ -190,6 +210,35 @@ class KVCache(eqx.Module):
         # Full rounds of p blocks, then what the last round gave shard d.
         rounds, rest = n // (b * p), n % (b * p)
         return (rounds * b + jnp.clip(rest - shard * b, 0, b)).astype(jnp.int32)
+
+    def keys(self, backend: AttentionBackend, *, all_seen: bool, energy: Energy) -> dict:
+        """How `backend` is told which token each slot holds: the arguments of
+        `AttentionBackend.attend` that describe this cache.
+
+        A sharded cache on a backend sharded over the same devices, where every query sees
+        every filled key (`all_seen`: one query after the cache, or no causality; no window)
+        and the energy reads neither the keys' positions nor their order: each shard's fill
+        count, `shard_lengths()` (which the fused GPU kernels take). A cache in position order
+        (`in_order`): the filled `kv_length`. Otherwise the filled length and every slot's
+        position."""
+        if self.sharding is None:
+            return {"kv_length": self.length}
+        if backend.sharded:
+            theirs = backend.sharding
+            assert theirs is not None
+            if (theirs.mesh, theirs.axis_name) != (self.sharding.mesh, self.sharding.axis_name):
+                raise ValueError(
+                    f"the KV cache is sharded over {self.sharding.axis_name!r} of "
+                    f"{self.sharding.user_mesh}, the attention backend over "
+                    f"{theirs.axis_name!r} of {theirs.user_mesh}: make the cache with the "
+                    "backend's mesh (Transformer.init_cache does by default)"
+                )
+            if all_seen and energy.monoid.commutative and not energy.reads_positions:
+                return {"shard_lengths": self.shard_lengths()}
+        if self.in_order:
+            return {"kv_length": self.length}
+        positions = jnp.asarray(self.positions(), jnp.int32)
+        return {"kv_length": self.length, "kv_positions": positions}
 
     def append(self, k: Float[Array, "n kv_heads qk"], v: Float[Array, "n kv_heads vo"]) -> KVCache:
         """Write `n` new tokens after the `length` already cached (one layer's cache; a
@@ -494,7 +543,7 @@ def remember(cache: Cache, length: int | None) -> None:
         _remember(cache.length, length)
 
 
-def empty_rows(template: Cache, batch: int, *, mesh=None, kv_axis=None) -> Cache:
+def empty_rows(template: Cache, batch: int) -> Cache:
     """An empty cache like `template` (a cache, or its `jax.eval_shape`) with a leading axis
     of `batch` rows, allocated in place: nothing of `template` is read or copied."""
     if isinstance(template, LinearCache):
@@ -509,8 +558,8 @@ def empty_rows(template: Cache, batch: int, *, mesh=None, kv_axis=None) -> Cache
         second.shape[-1],
         layers=template.layers,
         dtype=first.dtype,
-        mesh=mesh if template.devices > 1 else None,
-        kv_axis=kv_axis if template.devices > 1 else None,
+        mesh=None if template.sharding is None else template.sharding.user_mesh,
+        kv_axis=None if template.sharding is None else template.sharding.axis_name,
         block=template.block,
         layout=template.layout,
         batch=batch,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._attention import AttentionBackend, as_backend, cache_layout
+from ..decode import AttentionBackend, AttentionName
 from ._cache import Cache, after_prompts, empty_rows, prompt_padding, remember, reserve
 from ._llama import Transformer, check_token_ids, check_token_type
 
@@ -20,7 +20,7 @@ def prefill(
     tokens: Int[Array, " seq"],
     cache: Cache,
     *,
-    backend: str | AttentionBackend | None = None,
+    backend: AttentionName | AttentionBackend | None = None,
 ) -> tuple[Float[Array, "seq vocab"], Cache]:
     """Run `tokens` after what `cache` holds; return their logits and the updated cache.
 
@@ -44,7 +44,7 @@ def decode_step(
     token: Int[Array, ""],
     cache: Cache,
     *,
-    backend: str | AttentionBackend | None = None,
+    backend: AttentionName | AttentionBackend | None = None,
 ) -> tuple[Float[Array, " vocab"], Cache]:
     """One token in, next-token logits out. Shapes never change, so this compiles once.
 
@@ -112,7 +112,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     key: PRNGKeyArray | None = None,
-    backend: str | AttentionBackend | None = None,
+    backend: AttentionName | AttentionBackend | None = None,
     mesh=None,
     kv_axis=None,
     max_len: int | None = None,
@@ -160,7 +160,7 @@ def generate(
     if prompt.shape[-1] == 0 or prompt.size == 0:
         raise ValueError(f"generate: the prompt is empty (shape {prompt.shape})")
     check_token_ids("generate", prompt, vocab)
-    be = model.backend if backend is None else as_backend(backend, mesh, kv_axis)
+    be = model.backend if backend is None else AttentionBackend.of(backend, mesh, kv_axis)
     batched = prompt.ndim == 2
     prompts = prompt if batched else prompt[None]
     lengths = _prompt_lengths(attention_mask, prompts.shape)
@@ -172,12 +172,10 @@ def generate(
         raise ValueError(f"generate: max_len must be at least 1, got {max_len}")
     # The cache's shapes without allocating it; then one cache per row, allocated in place
     # and donated to the loop, which updates it where it lies.
+    layout = model.block(0).self_attn.cache_layout(backend=be)
     cache = jax.eval_shape(
         lambda: model.init_cache(
-            max_len or total - 1,
-            mesh=cache_mesh,
-            kv_axis=cache_axis,
-            layout=cache_layout(be, model.energy),
+            max_len or total - 1, mesh=cache_mesh, kv_axis=cache_axis, layout=layout
         )
     )
     if total - 1 > cache.max_len:
@@ -194,7 +192,7 @@ def generate(
     # One set of arrays per layer: each weight read in place once per step (see
     # `Transformer.unstack_layers`); the copy is made once per call.
     params, static = eqx.partition(model.unstack_layers(), eqx.is_array)
-    cache = empty_rows(cache, prompts.shape[0], mesh=cache_mesh, kv_axis=cache_axis)
+    cache = empty_rows(cache, prompts.shape[0])
     out, _ = _generate_batch(
         params,
         static,

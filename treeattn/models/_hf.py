@@ -22,7 +22,7 @@ from ._layers import Llama3Scaling
 
 
 if TYPE_CHECKING:
-    from ._attention import AttentionBackend
+    from ..decode import AttentionBackend, AttentionName
     from ._llama import Transformer
 
 
@@ -315,7 +315,7 @@ def load_pretrained(
     path: str | pathlib.Path,
     *,
     dtype=None,
-    backend: str | AttentionBackend = "energy",
+    backend: AttentionName | AttentionBackend = "energy",
 ) -> Transformer:
     """See `Transformer.from_pretrained`."""
     from safetensors.numpy import load_file

@@ -12,14 +12,9 @@ from jax.core import Tracer
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._numerics import Layout
-from ..energy import Energy, LinearKernel
-from ._attention import (
-    AttentionBackend,
-    MultiheadAttention,
-    as_backend,
-    cache_layout,
-    is_default_energy,
-)
+from ..decode import AttentionBackend, AttentionName
+from ..energy import Energy, LinearKernel, is_plain_softmax
+from ._attention import MultiheadAttention
 from ._cache import Cache, KVCache, LinearCache, remember, reserve
 from ._config import LlamaConfig
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
@@ -112,13 +107,13 @@ class Transformer(eqx.Module):
         self,
         config: LlamaConfig,
         *,
-        backend: str | AttentionBackend = "energy",
+        backend: AttentionName | AttentionBackend = "energy",
         dtype=None,
         energy: Energy | None = None,
         key: PRNGKeyArray,
     ):
         k_embed, k_layers, k_head = jax.random.split(key, 3)
-        be = as_backend(backend)
+        be = AttentionBackend.of(backend)
         self.config = config
         self.embed_tokens = eqx.nn.Embedding(
             config.vocab_size, config.hidden_size, dtype=dtype, key=k_embed
@@ -144,7 +139,7 @@ class Transformer(eqx.Module):
         *,
         mesh=None,
         kv_axis=None,
-        block: int = 16,
+        block: int | None = None,
         dtype=None,
         layout: Layout | None = None,
         linear_state: bool | None = None,
@@ -156,8 +151,11 @@ class Transformer(eqx.Module):
         layer the linear state $\sum_a \phi(k_a) v_a^\top$, $\sum_a \phi(k_a)$, against which
         a decode step takes constant time (`linear_state=False` gives a `KVCache` instead; the
         sharding arguments do not apply to a state). Any other model gets a `KVCache`, one
-        buffer per layer (sharded over `mesh`/`kv_axis` for `"tree"`); `layout` defaults to
-        what the model's backend and energy read without a copy (see `cache_layout`)."""
+        buffer per layer, sharded over `mesh`/`kv_axis` (default: the model backend's, when it
+        has one) in round-robin blocks of `block` tokens (default 16; for an energy with an
+        ordered monoid, one contiguous block per shard: see `KVCache.create`). `layout`
+        defaults to what the model's backend and energy read without a copy
+        (`treeattn.decode.cache_layout`)."""
         c = self.config
         assert c.head_dim is not None and c.num_key_value_heads is not None  # resolved
         dtype = dtype or self.embed_tokens.weight.dtype
@@ -180,6 +178,13 @@ class Transformer(eqx.Module):
                 energy=attn.energy,
                 dtype=dtype,
             )
+        if mesh is None and kv_axis is None and self.backend.sharded:
+            mesh, kv_axis = self.backend.mesh, self.backend.kv_axis
+        if block is None:
+            # Round-robin blocks of 16 fill the shards evenly; an ordered energy folds the
+            # shards in position order, so each holds one contiguous range instead.
+            ordered = attn.energy is not None and not attn.energy.monoid.commutative
+            block = None if ordered else 16
         return KVCache.create(
             c.num_key_value_heads,
             max_len,
@@ -189,7 +194,7 @@ class Transformer(eqx.Module):
             mesh=mesh,
             kv_axis=kv_axis,
             block=block,
-            layout=cache_layout(self.backend, self.energy) if layout is None else layout,
+            layout=attn.cache_layout(dtype) if layout is None else layout,
         )
 
     @property
@@ -233,7 +238,7 @@ class Transformer(eqx.Module):
         tokens: Int[Array, " seq"],
         cache: Cache | None = None,
         *,
-        backend: str | AttentionBackend | None = None,
+        backend: AttentionName | AttentionBackend | None = None,
         logits_to_keep: int | Int[Array, " keep"] = 0,
     ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """Logits of every position; with `cache`, the tokens follow the cached ones and the
@@ -266,12 +271,12 @@ class Transformer(eqx.Module):
         x: Float[Array, "seq hidden"],
         cache: Cache | None = None,
         *,
-        backend: str | AttentionBackend | None = None,
+        backend: AttentionName | AttentionBackend | None = None,
         logits_to_keep: int | Int[Array, " keep"] = 0,
     ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """As `__call__`, from token embeddings (differentiable inputs)."""
         keep = _logits_to_keep(logits_to_keep, x.shape[0])
-        be = None if backend is None else as_backend(backend)
+        be = None if backend is None else AttentionBackend.of(backend)
         length = None
         if cache is not None:
             if cache.layers != self.config.num_hidden_layers:
@@ -329,7 +334,11 @@ class Transformer(eqx.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | pathlib.Path, *, dtype=None, backend: str | AttentionBackend = "energy"
+        cls,
+        path: str | pathlib.Path,
+        *,
+        dtype=None,
+        backend: AttentionName | AttentionBackend = "energy",
     ) -> Transformer:
         """Load a Hugging Face checkpoint of the Llama family — `model_type` `"llama"`,
         `"mistral"`, `"qwen2"` (Qwen2, Qwen2.5) or `"qwen3"` — from a local folder:
@@ -365,7 +374,7 @@ class Transformer(eqx.Module):
         from ._hf import save_pretrained
 
         e = self.energy
-        if not is_default_energy(e):
+        if e is not None and not is_plain_softmax(e):
             raise ValueError(
                 f"save_pretrained: the attention energy {type(e).__name__}(...) has no Hugging "
                 "Face config.json equivalent (a Llama config is softmax attention); save the "

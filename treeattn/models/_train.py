@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from ._attention import AttentionBackend, as_backend
+from ..decode import AttentionBackend, AttentionName
 from ._data import CharTokenizer
 from ._llama import Transformer
 
@@ -87,7 +87,7 @@ def train(
     tokens: np.ndarray,
     config: TrainConfig = TrainConfig(),
     *,
-    backend: str | AttentionBackend | None = None,
+    backend: AttentionName | AttentionBackend | None = None,
     checkpoint_dir: str | pathlib.Path | None = None,
     tokenizer: CharTokenizer | None = None,
     progress: bool = True,
@@ -100,7 +100,7 @@ def train(
     format), the tokenizer, the optimiser state and the step are written every
     `config.checkpoint_every` steps and at the end; training resumes from them if present.
     """
-    be = None if backend is None else as_backend(backend)
+    be = None if backend is None else AttentionBackend.of(backend)
     optimizer = config.optimizer()
     params, static = eqx.partition(model, eqx.is_inexact_array)
     with jax.numpy_dtype_promotion("standard"):
