@@ -182,9 +182,9 @@ def run_kernel(
     """The kernels of `choice` (one per lowering platform, picked when the program is lowered)
     on checked arguments: offsets and lengths int32 `[batch]`, positions int32
     `[batch, kv_seq]` or None, mask and bias `[batch, #heads, #q_seq, kv_seq]` or None,
-    `energy` (None: `Softmax()`, which must be passed as None), and the call's `Static` part. Returns `(out, lse)` (see
-    `flash_attention`). Lowering for a platform where `choice` has no kernel raises
-    `BackendUnavailable`."""
+    `energy` (None: `Softmax()`, which must be passed as None), and the call's `Static`
+    part. Returns `(out, lse)` (see `flash_attention`). Lowering for a platform where
+    `choice` has no kernel raises `BackendUnavailable`."""
     dims = static.dims
     if dims.kv_seq == 0 and energy is None:
         # No key at all: the identity of the merge, by construction (another energy reads out
