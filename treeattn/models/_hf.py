@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -327,33 +328,50 @@ def load_pretrained(
         if not (path / f).exists():
             raise ValueError(f"from_pretrained: {path / f} is missing")
         tensors.update(load_file(str(path / f)))
+    return model_from_tensors(cls, config, tensors, dtype=dtype, backend=backend)
+
+
+def model_from_tensors(
+    cls: type[Transformer],
+    config: LlamaConfig,
+    tensors: dict[str, np.ndarray],
+    *,
+    dtype=None,
+    backend: str | AttentionBackend = "energy",
+    where: str = "from_pretrained",
+    label: Callable[[str], str] = str,
+) -> Transformer:
+    """A `cls(config)` whose parameters are `tensors`, keyed by their Hugging Face names (any
+    format's loader ends here). Missing, unexpected or mis-shaped tensors raise a `ValueError`
+    that starts with `where` and names each tensor as `label(name)`."""
+    tensors = dict(tensors)
     if config.tie_word_embeddings:  # some writers keep the tied copy as well
         tensors.pop("lm_head.weight", None)
     dtype = dtype or jnp.float32
     model = eqx.filter_eval_shape(cls, config, backend=backend, dtype=dtype, key=jax.random.key(0))
     wanted = hf_names(config)
-    missing = [n for n in wanted if n not in tensors]
-    unexpected = [n for n in tensors if n not in wanted and "rotary_emb" not in n]
+    missing = [label(n) for n in wanted if n not in tensors]
+    unexpected = [label(n) for n in tensors if n not in wanted and "rotary_emb" not in n]
     if missing or unexpected:
         raise ValueError(
-            f"from_pretrained: missing tensors {missing[:8]}"
+            f"{where}: missing tensors {missing[:8]}"
             f"{'...' if len(missing) > 8 else ''}; unexpected {unexpected[:8]}"
         )
     leaves = []
-    for name, where, layered in parameter_map(config):
-        target = where(model)
+    for name, at, layered in parameter_map(config):
+        target = at(model)
         names = [name.format(i=i) for i in range(config.num_hidden_layers)] if layered else [name]
         expected = target.shape[1:] if layered else target.shape
         for n in names:
             if tensors[n].shape != expected:
                 raise ValueError(
-                    f"from_pretrained: {n} has shape {tensors[n].shape}, the model expects "
+                    f"{where}: {label(n)} has shape {tensors[n].shape}, the model expects "
                     f"{expected}"
                 )
         value = np.stack([tensors[n] for n in names]) if layered else tensors[name]
-        leaves.append((where, jnp.asarray(value, dtype)))
-    for where, value in leaves:
-        model = eqx.tree_at(where, model, value)
+        leaves.append((at, jnp.asarray(value, dtype)))
+    for at, value in leaves:
+        model = eqx.tree_at(at, model, value)
     return model
 
 

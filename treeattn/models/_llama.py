@@ -352,10 +352,57 @@ class Transformer(eqx.Module):
         `num_hidden_layers`, `num_attention_heads`), a folder holding both
         `model.safetensors` and a shard index, and missing, unexpected or mis-shaped tensors
         (`ValueError`).
+
+        A path to a `.gguf` file is read by `from_gguf`.
         """
+        if pathlib.Path(path).suffix.lower() == ".gguf":
+            return cls.from_gguf(path, dtype=dtype, backend=backend)
         from ._hf import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, backend=backend)
+
+    @classmethod
+    def from_gguf(
+        cls, path: str | pathlib.Path, *, dtype=None, backend: str | AttentionBackend = "energy"
+    ) -> Transformer:
+        """Load a GGUF checkpoint (llama.cpp's format) of the Llama family: GGUF architecture
+        `"llama"` (Llama; Mistral when the file states `llama.attention.sliding_window`),
+        `"qwen2"` (Qwen2, Qwen2.5) or `"qwen3"`. Needs the `gguf` package (the `gguf` extra);
+        no torch.
+
+        The configuration comes from the file's metadata (`{arch}.block_count`,
+        `.embedding_length`, `.feed_forward_length`, `.attention.head_count`,
+        `.attention.head_count_kv`, `.attention.key_length`, `.rope.freq_base`,
+        `.attention.layer_norm_rms_epsilon`, `.context_length`; the vocabulary size from
+        `tokenizer.ggml.tokens`; tied embeddings when there is no `output.weight`; Llama 3's
+        rotary scaling from `rope_freqs.weight`) and is checked as `LlamaConfig.from_dict`
+        checks a `config.json`. Every tensor is dequantised to float32 with
+        `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
+        and the IQ types), the rows of `attn_q` / `attn_k` that llama.cpp permutes for its
+        rotary kernel (architecture `"llama"` only) are put back in Hugging Face's order, and
+        the model is cast to `dtype` (default float32).
+
+        **Arguments:**
+
+        - `path`: the `.gguf` file.
+        - `dtype`: the parameters' dtype (default float32).
+        - `backend`: the attention backend of every layer (see `AttentionBackend`).
+
+        **Returns:** the `Transformer`, its layers stacked.
+
+        A missing file raises a `FileNotFoundError`; another architecture, a mixture of
+        experts, a quantisation type `gguf` cannot dequantise, settings this decoder cannot
+        represent, and missing, unexpected or mis-shaped tensors raise a `ValueError` naming
+        the file and the item. The tokenizer and chat template of the same file are read by
+        `treeattn.pretrained.Tokenizer.from_gguf`.
+
+        ```python
+        model = Transformer.from_gguf(treeattn.pretrained.smollm2_gguf())
+        ```
+        """
+        from ._gguf import load_gguf
+
+        return load_gguf(cls, path, dtype=dtype, backend=backend)
 
     def save_pretrained(self, path: str | pathlib.Path) -> None:
         """Write `config.json` and `model.safetensors` in the Hugging Face format of the
