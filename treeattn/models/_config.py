@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Mapping
 from typing import Any, Literal, SupportsIndex, get_args
 
 from ._layers import Llama3Scaling
@@ -21,7 +22,8 @@ _POSITIVE = (
 _OPTIONAL_POSITIVE = ("num_key_value_heads", "head_dim", "sliding_window")
 
 ModelType = Literal["llama", "mistral", "qwen2", "qwen3"]
-"""The Hugging Face families the decoder reads and writes (`model_type` of `config.json`)."""
+"""The Hugging Face families the decoder reads and writes (`model_type` of `config.json`);
+what sets each apart is its entry of `FAMILIES` below."""
 MODEL_TYPES: tuple[ModelType, ...] = get_args(ModelType)
 
 
@@ -83,10 +85,9 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}"
             )
-        if self.qkv_bias is None:
-            object.__setattr__(self, "qkv_bias", self.model_type == "qwen2")
-        if self.qk_norm is None:
-            object.__setattr__(self, "qk_norm", self.model_type == "qwen3")
+        for switch in ("qkv_bias", "qk_norm"):  # None: the family's
+            if getattr(self, switch) is None:
+                object.__setattr__(self, switch, FAMILIES[self.model_type].fixed.get(switch, False))
         for name in _POSITIVE + _OPTIONAL_POSITIVE:
             value = getattr(self, name)
             if value is not None or name not in _OPTIONAL_POSITIVE:
@@ -132,13 +133,228 @@ class LlamaConfig:
         decoder cannot represent (another activation, other rotary scalings, Qwen's per-layer
         sliding windows, biases the family does not have) raise a `ValueError` that names
         them."""
-        from ._hf import config_from_dict
-
         return config_from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` contents of the `model_type` family; a switch that
         family does not have raises a `ValueError` naming it."""
-        from ._hf import config_to_dict
-
         return config_to_dict(self)
+
+
+# What a config must state: without them the defaults would describe Llama-7B, and a small
+# checkpoint would fail later with a puzzling shape mismatch.
+REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The families: every fact that sets one apart, in one table
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What sets a Hugging Face family of the Llama decoder apart.
+
+    - `architecture`: its causal LM class in transformers (`config.json`'s `architectures`).
+    - `defaults`: its config class's defaults for the keys that decide the architecture (a
+      `config.json` normally states them all).
+    - `fixed`: the switches the family fixes (`attention_bias`, `qkv_bias`, `qk_norm`,
+      `mlp_bias`, `sliding_window`), as transformers builds it; the others are free.
+    - `windows`: how its `config.json` states a sliding window: `"none"` (it has none),
+      `"uniform"` (one window for every layer, `sliding_window`) or `"per_layer"`
+      (`use_sliding_window`, `max_window_layers`, `layer_types`: Qwen's).
+    - `gguf`: llama.cpp's `general.architecture` for it, and `gguf_permuted`: whether
+      llama.cpp's converter reorders the rows of `attn_q`/`attn_k` for its rotary kernel.
+    """
+
+    architecture: str
+    defaults: Mapping[str, Any]
+    fixed: Mapping[str, Any]
+    windows: Literal["none", "uniform", "per_layer"]
+    gguf: str
+    gguf_permuted: bool
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        "LlamaForCausalLM",
+        {"rms_norm_eps": 1e-6},
+        {"qkv_bias": False, "qk_norm": False, "sliding_window": None},
+        windows="none",
+        gguf="llama",
+        gguf_permuted=True,
+    ),
+    # llama.cpp converts Mistral as "llama"; its sliding window tells the two apart.
+    "mistral": Family(
+        "MistralForCausalLM",
+        {"rms_norm_eps": 1e-6, "sliding_window": 4096},
+        {"attention_bias": False, "qkv_bias": False, "qk_norm": False, "mlp_bias": False},
+        windows="uniform",
+        gguf="llama",
+        gguf_permuted=True,
+    ),
+    "qwen2": Family(
+        "Qwen2ForCausalLM",
+        {"rms_norm_eps": 1e-6},
+        {
+            "attention_bias": False,
+            "qkv_bias": True,
+            "qk_norm": False,
+            "mlp_bias": False,
+            "sliding_window": None,
+        },
+        windows="per_layer",
+        gguf="qwen2",
+        gguf_permuted=False,
+    ),
+    "qwen3": Family(
+        "Qwen3ForCausalLM",
+        {"rms_norm_eps": 1e-6, "head_dim": 128},
+        {"qkv_bias": False, "qk_norm": True, "mlp_bias": False, "sliding_window": None},
+        windows="per_layer",
+        gguf="qwen3",
+        gguf_permuted=False,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+
+
+def _family(d: dict[str, Any]) -> str:
+    model_type = d.get("model_type")
+    architectures = d.get("architectures") or []
+    if model_type is not None and model_type not in FAMILIES:
+        raise ValueError(
+            f"LlamaConfig: model_type {model_type!r} is not supported "
+            f"(only {', '.join(repr(m) for m in FAMILIES)})"
+        )
+    if model_type is None and architectures:
+        known = [m for m, f in FAMILIES.items() if f.architecture in architectures]
+        if not known:
+            raise ValueError(
+                f"LlamaConfig: architectures {architectures} are not supported (no model_type; "
+                f"only {', '.join(f.architecture for f in FAMILIES.values())})"
+            )
+        return known[0]
+    return model_type or "llama"
+
+
+def _windows(family: str, d: dict[str, Any]) -> int | None:
+    """The one sliding window of every layer (`None`: none), or a `ValueError` naming the
+    setting this decoder cannot represent."""
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    rule = FAMILIES[family].windows
+    if rule == "per_layer":
+        # transformers: layer i slides when use_sliding_window and (layer_types[i], or by
+        # default i >= max_window_layers) say so.
+        if not d.get("use_sliding_window", False) or window is None:
+            return None
+        n = d.get("num_hidden_layers")
+        if types is not None:
+            sliding = [t == "sliding_attention" for t in types]
+        else:
+            first = d.get("max_window_layers", 28)
+            sliding = [i >= first for i in range(n if isinstance(n, int) else 0)]
+        if any(sliding):
+            raise ValueError(
+                f"LlamaConfig: {family} sliding-window attention (use_sliding_window=true, "
+                f"sliding_window={window}, max_window_layers={d.get('max_window_layers')}, "
+                f"layer_types={types}) is not supported: its layers differ in their windows"
+            )
+        return None
+    if types is not None and any(t != types[0] for t in types):
+        raise ValueError(f"LlamaConfig: layer_types {types} differ between layers (not supported)")
+    if rule == "none":
+        if window is not None and d.get("use_sliding_window", True):
+            raise ValueError(
+                f"LlamaConfig: sliding-window attention (sliding_window={window}) is not "
+                f"supported for model_type {family!r} (use 'mistral')"
+            )
+        return None
+    return window
+
+
+def config_from_dict(d: dict[str, Any]) -> LlamaConfig:
+    """A `LlamaConfig` from a Hugging Face `config.json`'s contents; see `LlamaConfig.from_dict`."""
+    if not isinstance(d, dict):
+        raise ValueError(f"LlamaConfig: a config must be a JSON object, got {type(d).__name__}")
+    family = _family(d)
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise ValueError(f"LlamaConfig: the config lacks the required keys {missing}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"LlamaConfig: hidden_act {d['hidden_act']!r} is not supported")
+    d = {**FAMILIES[family].defaults, **d}
+    for name in ("attention_bias", "mlp_bias"):
+        fixed = FAMILIES[family].fixed.get(name)
+        if name in d and fixed is not None and bool(d[name]) != fixed:
+            raise ValueError(
+                f"LlamaConfig: {name}={d[name]} is not supported for model_type {family!r} "
+                f"({FAMILIES[family].architecture} has no such biases)"
+            )
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)} - {"qkv_bias", "qk_norm"}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw.update(model_type=family, sliding_window=_windows(family, d))
+    for name in ("attention_bias", "mlp_bias"):
+        if name in FAMILIES[family].fixed:
+            kw[name] = FAMILIES[family].fixed[name]
+    scaling = d.get("rope_scaling")
+    # transformers >= 5 writes `rope_parameters` (theta and scaling together).
+    params = d.get("rope_parameters")
+    if params:
+        if "rope_theta" in params:
+            kw["rope_theta"] = params["rope_theta"]
+        if params.get("rope_type", "default") != "default":
+            scaling = params
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise ValueError(f"LlamaConfig: rope_scaling type {kind!r} is not supported")
+        keys = {f.name for f in dataclasses.fields(Llama3Scaling)}
+        kw["rope_scaling"] = Llama3Scaling(**{k: v for k, v in scaling.items() if k in keys})
+    else:
+        kw["rope_scaling"] = None
+    return LlamaConfig(**kw)
+
+
+def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+    """The `config.json` contents transformers reads as the `model_type` family's causal LM;
+    a switch that family does not have raises a `ValueError` naming it."""
+    family = config.model_type
+    spec = FAMILIES[family]
+    for name, fixed in spec.fixed.items():
+        if getattr(config, name) != fixed:
+            raise ValueError(
+                f"LlamaConfig: {name}={getattr(config, name)} cannot be written as a Hugging "
+                f"Face {family!r} config ({spec.architecture} has {name}={fixed})"
+            )
+    d = dataclasses.asdict(config)
+    for name in ("qkv_bias", "qk_norm", *spec.fixed):
+        d.pop(name, None)  # implied by the family
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if config.rope_scaling is not None:
+        rope = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+        d["rope_scaling"] = dict(rope)
+    # Both spellings: `rope_theta`/`rope_scaling` (transformers 4) and `rope_parameters` (5).
+    d["rope_parameters"] = {**rope, "rope_theta": config.rope_theta}
+    if spec.windows == "uniform":
+        d["sliding_window"] = config.sliding_window
+    elif spec.windows == "per_layer":
+        d.update(use_sliding_window=False, sliding_window=None)
+    d.update(architectures=[spec.architecture], model_type=family, hidden_act="silu")
+    return d
+
+
+assert set(FAMILIES) == set(MODEL_TYPES), "one entry of FAMILIES per ModelType"

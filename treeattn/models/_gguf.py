@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._hf import config_from_dict, model_from_tensors
+from ._config import FAMILIES, LlamaConfig, config_from_dict
+from ._hf import model_from_tensors
 from ._layers import Llama3Scaling, RotaryEmbedding
 
 
 if TYPE_CHECKING:
-    from ._attention import AttentionBackend
-    from ._config import LlamaConfig
+    from ..decode import AttentionBackend, AttentionName
     from ._llama import Transformer
 
 
 # llama.cpp's architecture (`general.architecture`) of each family this decoder reads. Mistral
 # has none of its own: llama.cpp converts it as "llama"; a sliding window makes it Mistral here.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = tuple(dict.fromkeys(f.gguf for f in FAMILIES.values()))
 
 # llama.cpp's tensor names -> Hugging Face's (the same `[out, in]` matrices once dequantised).
 _TOP = {
@@ -287,14 +287,13 @@ def load_gguf(
     path: str | pathlib.Path,
     *,
     dtype=None,
-    backend: str | AttentionBackend = "energy",
+    backend: AttentionName | AttentionBackend = "energy",
 ) -> Transformer:
     """See `Transformer.from_gguf`."""
     path = pathlib.Path(path)
     where = f"from_gguf: {path}"
     reader = _open(path)
-    config, meta = _config(reader, path)
-    arch = meta["general.architecture"]
+    config, _ = _config(reader, path)
     unexpected = [t.name for t in reader.tensors if to_hf(t.name) is None and t.name != ROPE_FREQS]
     if unexpected:
         raise ValueError(f"{where}: unexpected tensors {unexpected[:8]}")
@@ -305,10 +304,9 @@ def load_gguf(
         if name is None:
             continue
         w = _dequantize(t, where)
-        # llama.cpp permutes q and k rows in the "llama" architecture only (its `LlamaModel`;
-        # Qwen2 and Qwen3 keep Hugging Face's order).
+        # llama.cpp permutes q and k rows of some families only (its `LlamaModel`).
         leaf = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if arch == "llama" and leaf in ("attn_q", "attn_k"):
+        if FAMILIES[config.model_type].gguf_permuted and leaf in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if leaf == "attn_q" else config.num_key_value_heads
             if w.shape[0] == heads * config.head_dim:  # else the shape check names it
                 w = unpermute_rotary(w, heads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -11,15 +10,14 @@ import pathlib
 import re
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._config import LlamaConfig
-from ._layers import Llama3Scaling
+from ._config import LlamaConfig, config_from_dict, config_to_dict
 
 
 if TYPE_CHECKING:
@@ -32,177 +30,6 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # How transformers names the shards of a sharded checkpoint.
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
-
-# What a config must state: without them the defaults would describe Llama-7B, and a small
-# checkpoint would fail later with a puzzling shape mismatch.
-REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json
-# ---------------------------------------------------------------------------------------------
-
-
-# Each family's class in transformers, and the defaults of its config class for the keys
-# that decide the architecture (a `config.json` normally lists them all).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6},
-    "mistral": {"rms_norm_eps": 1e-6, "sliding_window": 4096},
-    "qwen2": {"rms_norm_eps": 1e-6},
-    "qwen3": {"rms_norm_eps": 1e-6, "head_dim": 128},
-}
-# Which switches a family has: (attention_bias, qkv_bias, qk_norm, mlp_bias, sliding_window)
-# either free (None) or fixed to a value, as transformers builds each family.
-_FIXED: dict[str, dict[str, Any]] = {
-    "llama": {"qkv_bias": False, "qk_norm": False, "sliding_window": None},
-    "mistral": {"attention_bias": False, "qkv_bias": False, "qk_norm": False, "mlp_bias": False},
-    "qwen2": {
-        "attention_bias": False,
-        "qkv_bias": True,
-        "qk_norm": False,
-        "mlp_bias": False,
-        "sliding_window": None,
-    },
-    "qwen3": {"qkv_bias": False, "qk_norm": True, "mlp_bias": False, "sliding_window": None},
-}
-
-
-def _family(d: dict[str, Any]) -> str:
-    model_type = d.get("model_type")
-    architectures = d.get("architectures") or []
-    if model_type is not None and model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"LlamaConfig: model_type {model_type!r} is not supported "
-            f"(only {', '.join(repr(m) for m in ARCHITECTURES)})"
-        )
-    if model_type is None and architectures:
-        known = [m for m, a in ARCHITECTURES.items() if a in architectures]
-        if not known:
-            raise ValueError(
-                f"LlamaConfig: architectures {architectures} are not supported (no model_type; "
-                f"only {', '.join(ARCHITECTURES.values())})"
-            )
-        return known[0]
-    return model_type or "llama"
-
-
-def _windows(family: str, d: dict[str, Any]) -> int | None:
-    """The one sliding window of every layer (`None`: none), or a `ValueError` naming the
-    setting this decoder cannot represent."""
-    window = d.get("sliding_window")
-    types = d.get("layer_types")
-    if family in ("qwen2", "qwen3"):
-        # transformers: layer i slides when use_sliding_window and (layer_types[i], or by
-        # default i >= max_window_layers) say so.
-        if not d.get("use_sliding_window", False) or window is None:
-            return None
-        n = d.get("num_hidden_layers")
-        if types is not None:
-            sliding = [t == "sliding_attention" for t in types]
-        else:
-            first = d.get("max_window_layers", 28)
-            sliding = [i >= first for i in range(n if isinstance(n, int) else 0)]
-        if any(sliding):
-            raise ValueError(
-                f"LlamaConfig: {family} sliding-window attention (use_sliding_window=true, "
-                f"sliding_window={window}, max_window_layers={d.get('max_window_layers')}, "
-                f"layer_types={types}) is not supported: its layers differ in their windows"
-            )
-        return None
-    if types is not None and any(t != types[0] for t in types):
-        raise ValueError(f"LlamaConfig: layer_types {types} differ between layers (not supported)")
-    if family == "llama":
-        if window is not None and d.get("use_sliding_window", True):
-            raise ValueError(
-                f"LlamaConfig: sliding-window attention (sliding_window={window}) is not "
-                "supported for model_type 'llama' (use 'mistral')"
-            )
-        return None
-    return window
-
-
-def config_from_dict(d: dict[str, Any]) -> LlamaConfig:
-    """A `LlamaConfig` from a Hugging Face `config.json`'s contents; see `LlamaConfig.from_dict`."""
-    if not isinstance(d, dict):
-        raise ValueError(f"LlamaConfig: a config must be a JSON object, got {type(d).__name__}")
-    family = _family(d)
-    missing = [k for k in REQUIRED if k not in d]
-    if missing:
-        raise ValueError(f"LlamaConfig: the config lacks the required keys {missing}")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"LlamaConfig: hidden_act {d['hidden_act']!r} is not supported")
-    d = {**_FAMILY_DEFAULTS[family], **d}
-    for name in ("attention_bias", "mlp_bias"):
-        fixed = _FIXED[family].get(name)
-        if name in d and fixed is not None and bool(d[name]) != fixed:
-            raise ValueError(
-                f"LlamaConfig: {name}={d[name]} is not supported for model_type {family!r} "
-                f"({ARCHITECTURES[family]} has no such biases)"
-            )
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)} - {"qkv_bias", "qk_norm"}
-    kw = {k: v for k, v in d.items() if k in fields}
-    kw.update(model_type=family, sliding_window=_windows(family, d))
-    for name in ("attention_bias", "mlp_bias"):
-        if name in _FIXED[family]:
-            kw[name] = _FIXED[family][name]
-    scaling = d.get("rope_scaling")
-    # transformers >= 5 writes `rope_parameters` (theta and scaling together).
-    params = d.get("rope_parameters")
-    if params:
-        if "rope_theta" in params:
-            kw["rope_theta"] = params["rope_theta"]
-        if params.get("rope_type", "default") != "default":
-            scaling = params
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise ValueError(f"LlamaConfig: rope_scaling type {kind!r} is not supported")
-        keys = {f.name for f in dataclasses.fields(Llama3Scaling)}
-        kw["rope_scaling"] = Llama3Scaling(**{k: v for k, v in scaling.items() if k in keys})
-    else:
-        kw["rope_scaling"] = None
-    return LlamaConfig(**kw)
-
-
-def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
-    """The `config.json` contents transformers reads as the `model_type` family's causal LM;
-    a switch that family does not have raises a `ValueError` naming it."""
-    family = config.model_type
-    for name, fixed in _FIXED[family].items():
-        if getattr(config, name) != fixed:
-            raise ValueError(
-                f"LlamaConfig: {name}={getattr(config, name)} cannot be written as a Hugging "
-                f"Face {family!r} config ({ARCHITECTURES[family]} has {name}={fixed})"
-            )
-    d = dataclasses.asdict(config)
-    for name in ("qkv_bias", "qk_norm", *_FIXED[family]):
-        d.pop(name, None)  # implied by the family
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if config.rope_scaling is not None:
-        rope = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
-        d["rope_scaling"] = dict(rope)
-    # Both spellings: `rope_theta`/`rope_scaling` (transformers 4) and `rope_parameters` (5).
-    d["rope_parameters"] = {**rope, "rope_theta": config.rope_theta}
-    if family == "mistral":
-        d["sliding_window"] = config.sliding_window
-    elif family in ("qwen2", "qwen3"):
-        d.update(use_sliding_window=False, sliding_window=None)
-    d.update(architectures=[ARCHITECTURES[family]], model_type=family, hidden_act="silu")
-    return d
 
 
 def read_config(path: pathlib.Path) -> LlamaConfig:

@@ -17,6 +17,8 @@ from ..energy import Energy, LinearKernel, is_plain_softmax
 from ._attention import MultiheadAttention
 from ._cache import Cache, KVCache, LinearCache, remember, reserve
 from ._config import LlamaConfig
+from ._gguf import load_gguf
+from ._hf import load_pretrained, save_pretrained
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
 
 
@@ -357,13 +359,15 @@ class Transformer(eqx.Module):
         """
         if pathlib.Path(path).suffix.lower() == ".gguf":
             return cls.from_gguf(path, dtype=dtype, backend=backend)
-        from ._hf import load_pretrained
-
         return load_pretrained(cls, path, dtype=dtype, backend=backend)
 
     @classmethod
     def from_gguf(
-        cls, path: str | pathlib.Path, *, dtype=None, backend: str | AttentionBackend = "energy"
+        cls,
+        path: str | pathlib.Path,
+        *,
+        dtype=None,
+        backend: AttentionName | AttentionBackend = "energy",
     ) -> Transformer:
         """Load a GGUF checkpoint (llama.cpp's format) of the Llama family: GGUF architecture
         `"llama"` (Llama; Mistral when the file states `llama.attention.sliding_window`),
@@ -400,8 +404,6 @@ class Transformer(eqx.Module):
         model = Transformer.from_gguf(treeattn.pretrained.smollm2_gguf())
         ```
         """
-        from ._gguf import load_gguf
-
         return load_gguf(cls, path, dtype=dtype, backend=backend)
 
     def save_pretrained(self, path: str | pathlib.Path) -> None:
@@ -418,8 +420,6 @@ class Transformer(eqx.Module):
         no Hugging Face `config.json` and raises a `ValueError`: save it with
         `equinox.tree_serialise_leaves`.
         """
-        from ._hf import save_pretrained
-
         e = self.energy
         if e is not None and not is_plain_softmax(e):
             raise ValueError(
