@@ -193,14 +193,8 @@ def throughput(args) -> dict:
     import transformers
     from _common import machine
 
-    from treeattn.models import (
-        CHECKPOINTS,
-        CharTokenizer,
-        LlamaConfig,
-        Transformer,
-        generate,
-        load_text,
-    )
+    from treeattn.models import LlamaConfig, Transformer, generate
+    from treeattn.pretrained import CHECKPOINTS, CharTokenizer, load_text
 
     batches = args.batch or ([1, 2] if args.quick else [1, 8])
     n_prompt = args.prompt or (32 if args.quick else 512)

@@ -34,7 +34,7 @@ from treeattn.energy import (
     StickBreaking,
     multihead_free_energy,
 )
-from treeattn.models import CharTokenizer, load_text
+from treeattn.pretrained import CharTokenizer, load_text
 
 
 ENERGIES = {

@@ -3,7 +3,7 @@
     python examples/train_sonnets.py                       # the shipped checkpoint
     python examples/train_sonnets.py --steps 20 --out /tmp/sonnets
 
-Reproduces `treeattn/models/checkpoints/sonnets/` (AdamW, warm-up and cosine schedule, gradient
+Reproduces `treeattn/pretrained/checkpoints/sonnets/` (AdamW, warm-up and cosine schedule, gradient
 clipping, attention as the gradient of the free energy). Resumes from `--out` if a training state
 is there.
 """
@@ -16,15 +16,9 @@ import pathlib
 
 import jax
 
-from treeattn.models import (
-    CHECKPOINTS,
-    CharTokenizer,
-    LlamaConfig,
-    TrainConfig,
-    Transformer,
-    load_text,
-    train,
-)
+from treeattn.models import LlamaConfig, Transformer
+from treeattn.pretrained import CHECKPOINTS, CharTokenizer, load_text
+from treeattn.training import TrainConfig, train
 
 
 MODEL = dict(

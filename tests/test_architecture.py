@@ -41,5 +41,5 @@ def test_scripts_use_public_names(path):
 
 def test_the_check_sees_a_private_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from treeattn.models._train import load_text\nimport treeattn.energy\n")
-    assert private_imports(bad) == ["line 1: treeattn.models._train ['load_text']"]
+    bad.write_text("from treeattn.pretrained._data import load_text\nimport treeattn.energy\n")
+    assert private_imports(bad) == ["line 1: treeattn.pretrained._data ['load_text']"]

@@ -25,8 +25,8 @@ from treeattn.models import (
     MultiheadAttention,
     Transformer,
     generate,
-    lm_loss,
 )
+from treeattn.training import lm_loss
 
 
 CONFIG = LlamaConfig(

@@ -340,7 +340,7 @@ def test_causality(getkey):
 def test_training_through_energy_matches_reference(getkey):
     """The gradient of the energy path is a second derivative of F; training through it follows
     the reference's loss curve."""
-    from treeattn.models import TrainConfig, train
+    from treeattn.training import TrainConfig, train
 
     tokens = np.asarray(jax.random.randint(getkey(), (400,), 0, SMALL.vocab_size))
     config = TrainConfig(steps=50, batch_size=4, seq_len=16, warmup_steps=5, learning_rate=1e-2)

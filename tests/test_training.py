@@ -12,15 +12,9 @@ import pytest
 from conftest import devices
 from jax.sharding import Mesh
 
-from treeattn.models import (
-    CHECKPOINTS,
-    AttentionBackend,
-    CharTokenizer,
-    Transformer,
-    generate,
-    lm_loss,
-    load_text,
-)
+from treeattn.models import AttentionBackend, Transformer, generate
+from treeattn.pretrained import CHECKPOINTS, CharTokenizer, load_text
+from treeattn.training import lm_loss
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -69,7 +63,8 @@ def test_weight_decay_spares_norms_and_biases():
     import equinox as eqx
     import optax
 
-    from treeattn.models import LlamaConfig, TrainConfig
+    from treeattn.models import LlamaConfig
+    from treeattn.training import TrainConfig
 
     config = LlamaConfig(
         vocab_size=11,

@@ -8,6 +8,7 @@ from . import (
     energy as energy,
     models as models,
     pretrained as pretrained,
+    training as training,
 )
 
 

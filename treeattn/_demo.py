@@ -195,15 +195,8 @@ def model_demo(new_tokens: int = 240) -> int:
     from jax.sharding import Mesh
     from tqdm.auto import tqdm
 
-    from .models import (
-        CHECKPOINTS,
-        AttentionBackend,
-        CharTokenizer,
-        Transformer,
-        decode_step,
-        generate,
-        prefill,
-    )
+    from .models import AttentionBackend, Transformer, decode_step, generate, prefill
+    from .pretrained import CHECKPOINTS, CharTokenizer
 
     path = CHECKPOINTS / "sonnets"
     model = Transformer.from_pretrained(path)

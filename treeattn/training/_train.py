@@ -6,7 +6,7 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import equinox as eqx
 import jax
@@ -16,8 +16,13 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from ..decode import AttentionBackend, AttentionName
-from ._data import CharTokenizer
-from ._llama import Transformer
+from ..pretrained import CharTokenizer
+
+
+if TYPE_CHECKING:
+    # The loop takes a model, it does not build one (`type(model)` loads a checkpoint), so
+    # `treeattn.models` can offer it under its former names without an import cycle.
+    from ..models import Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +115,7 @@ def train(
         state_file = pathlib.Path(checkpoint_dir) / "train_state.eqx"
         if state_file.exists():
             meta = json.loads((pathlib.Path(checkpoint_dir) / "train_state.json").read_text())
-            model = Transformer.from_pretrained(
+            model = type(model).from_pretrained(
                 checkpoint_dir,
                 backend=model.backend,
                 dtype=model.embed_tokens.weight.dtype,
@@ -155,7 +160,7 @@ def train(
         done = i + 1 == config.steps
         if checkpoint_dir is not None and ((i + 1) % config.checkpoint_every == 0 or done):
             save_checkpoint(
-                cast(Transformer, eqx.combine(params, static)),
+                cast("Transformer", eqx.combine(params, static)),
                 checkpoint_dir,
                 tokenizer=tokenizer,
                 opt_state=opt_state,
@@ -163,7 +168,7 @@ def train(
             )
     if bar is not None:
         bar.close()
-    return cast(Transformer, eqx.combine(params, static)), losses
+    return cast("Transformer", eqx.combine(params, static)), losses
 
 
 def save_checkpoint(
