@@ -35,7 +35,7 @@ from ._ring import ring_decode as ring_decode
 from ._tree import tree_decode as tree_decode
 
 
-# Names of `treeattn.distributed` that earlier releases also exported from here.
+# Names of `treeattn.distributed` also reachable here, as deprecated aliases.
 _MOVED = (
     "ProcessConfig",
     "check_devices",

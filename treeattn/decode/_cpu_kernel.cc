@@ -5,8 +5,8 @@
 // For each batch row and kv head, the query rows of that head (group * q_seq of them) walk the
 // keys in blocks of kBlock with an online softmax: the logits of a block, then the rescaled
 // accumulation of p * v. K and V are therefore streamed from memory exactly once, which is what
-// decoding costs at best; XLA's dot kernels for the matrix-vector shapes of decoding ran at
-// about half that speed on the CPU where this was measured (see docs/decode.md).
+// decoding costs at best; XLA's dot kernels for the matrix-vector shapes of decoding stay well
+// below memory speed on CPUs (docs/decode.md).
 //
 // Both passes work in register tiles of the target's vector width (GCC/Clang vector
 // extensions, so one source serves AVX-512, AVX2 and SSE/NEON): the logits of kTile query rows
@@ -40,7 +40,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlock = 512;  // keys per block (measured: 32 -> 1.5x the read, 512 -> 1.2x)
+constexpr int64_t kBlock = 512;  // keys per block (a smaller block costs more per key)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The vector width of the target (-march=native): kLanes floats per register, and kTile query
@@ -282,7 +282,7 @@ template <int RT, typename T>
 void weigh_values(const float* p, int64_t n, const T* v, int64_t vs, int64_t dv, bool dense,
                   float* acc) {
   // Whole value rows in one pass where the registers allow (a second pass over a column tile
-  // re-reads the block's rows at a stride, which measured slower than one sequential pass).
+  // re-reads the block's rows at a stride, slower than one sequential pass).
   if constexpr (RT <= 2) {
     if (dv % (8 * kLanes) == 0) return weigh_tile<RT, 8>(p, n, v, vs, dv, dense, acc);
   }

@@ -135,7 +135,7 @@ def _block_partial(qr, kb, vb, visible, bias, dims: Dims, *, hide: bool = True):
 
 
 LOGITS_BUDGET = 1 << 24  # logits elements per block (64 MB in float32)
-MAX_BLOCK = 1024  # keys per block at most: a masked block stays in cache (measured best)
+MAX_BLOCK = 1024  # keys per block at most: a masked block stays in cache
 
 
 def block_size(dims: Dims, block: int | None) -> int:

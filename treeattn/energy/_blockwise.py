@@ -33,8 +33,7 @@ AUTO_BLOCK = 256
 """The block size chosen automatically."""
 AUTO_ELEMENTS = 1 << 26
 """Above this many logits (`kv_heads * rows * kv_seq`, 256 MiB in float32) the general path
-evaluates blockwise. (At 2^26 logits, 2048 queries and keys with 16 heads, the materialised
-form ran in two thirds of the blockwise time without a causal mask, on a 2-core CPU.)"""
+evaluates blockwise; below it the materialised form is the faster one (`docs/energies.md`)."""
 TILE_ELEMENTS = 1 << 20
 """Blockwise attention cuts the queries into chunks of at most this many logits per tile
 (`heads * chunk * block`, 4 MiB in float32: a tile's elementwise work stays in cache)."""

@@ -23,7 +23,7 @@ from ._layers import (
 from ._llama import DecoderBlock as DecoderBlock, Transformer as Transformer
 
 
-# Names that earlier releases exported from here, and where they live now.
+# Deprecated aliases: names that live in other subpackages.
 _MOVED = {
     "train": _training,
     "TrainConfig": _training,

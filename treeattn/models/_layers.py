@@ -25,8 +25,8 @@ def _dot(x, w):
 
 def _dot_columns(x, w):
     """`_dot` as `w @ x.T` on a transposed copy of the rows, transposed back: for a few float32
-    rows (a decode step of a batch), XLA:CPU streams a weight about 1.6x faster with the rows as
-    contiguous columns. The barriers keep XLA from folding both transposes (of `rows` x `in`
+    rows (a decode step of a batch), XLA:CPU streams a weight faster with the rows as contiguous
+    columns. The barriers keep XLA from folding both transposes (of `rows` x `in`
     and `rows` x `out` elements, small beside the weight) back into the product."""
     rows = x.reshape(-1, x.shape[-1])
     columns = jax.lax.optimization_barrier(rows.T)
@@ -34,8 +34,8 @@ def _dot_columns(x, w):
     return y.T.reshape(*x.shape[:-1], w.shape[0])
 
 
-# The row counts for which `_dot_columns` is the faster product on XLA:CPU (measured 1.3-2.5x
-# from 2 to 32 rows, benchmarks/generate.py --products; equal at 64, slower from a few hundred).
+# The row counts for which `_dot_columns` is the faster product on XLA:CPU
+# (benchmarks/generate.py --products: equal at 64 rows, slower from a few hundred).
 _FEW_ROWS = range(2, 33)
 
 

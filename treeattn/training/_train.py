@@ -21,7 +21,7 @@ from ..pretrained import CharTokenizer
 
 if TYPE_CHECKING:
     # The loop takes a model, it does not build one (`type(model)` loads a checkpoint), so
-    # `treeattn.models` can offer it under its former names without an import cycle.
+    # `treeattn.models` can offer its deprecated aliases without an import cycle.
     from ..models import Transformer
 
 
