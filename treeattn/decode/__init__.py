@@ -1,8 +1,7 @@
 """Fused local attention with `(out, lse)`, tree decoding (Algorithm 3), the ring baseline."""
 
-import warnings as _warnings
-
 from .. import distributed as _distributed
+from .._deprecated import moved
 from .._numerics import Layout as Layout
 from ._backend import (
     AttentionBackend as AttentionBackend,
@@ -36,22 +35,17 @@ from ._tree import tree_decode as tree_decode
 
 
 # Names of `treeattn.distributed` also reachable here, as deprecated aliases.
-_MOVED = (
-    "ProcessConfig",
-    "check_devices",
-    "initialize",
-    "kv_mesh",
-    "node_mesh",
-    "process_config_from_env",
+__getattr__ = moved(
+    "treeattn.decode",
+    dict.fromkeys(
+        (
+            "ProcessConfig",
+            "check_devices",
+            "initialize",
+            "kv_mesh",
+            "node_mesh",
+            "process_config_from_env",
+        ),
+        _distributed,
+    ),
 )
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        _warnings.warn(
-            f"treeattn.decode.{name} is deprecated: use treeattn.distributed.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(_distributed, name)
-    raise AttributeError(f"module 'treeattn.decode' has no attribute {name!r}")

@@ -162,17 +162,9 @@ class AttentionBackend:
         [`ring_decode`][treeattn.decode.ring_decode] over the mesh (arguments as theirs;
         `shard_lengths` replaces `kv_length`, `q_offset` and `kv_positions` where every
         query sees every filled key, and needs a mesh). **Returns:** the output."""
-        kw: dict[str, Any] = dict(
-            causal=causal,
-            kv_length=kv_length,
-            kv_positions=kv_positions,
-            mask=mask,
-            local_window_size=local_window_size,
-            kv_layout=kv_layout,
-            energy=energy,
-            kv_finite=kv_finite,
-            backend=self.kernel,
-        )
+        kw: dict[str, Any] = dict(locals(), backend=self.kernel)
+        for name in ("self", "q", "k", "v", "q_offset", "shard_lengths"):
+            del kw[name]
         if self.mesh is None:
             if shard_lengths is not None:
                 raise ValueError(

@@ -8,7 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .._numerics import LAYOUTS, Dims, check_choice, check_position, check_scale, shape_of
+from .._numerics import (
+    LAYOUTS,
+    Dims,
+    check_choice,
+    check_position,
+    check_scale,
+    check_window,
+    shape_of,
+)
 
 
 def check_decode(
@@ -73,6 +81,32 @@ def check_decode(
             )
     check_scale(fn, scale)
     return Dims(q_seq, kv_seq, heads, kv_heads, qk, vs[3], batch=batch, layout=kv_layout)  # type: ignore[arg-type]
+
+
+def check_call(
+    fn: str,
+    q,
+    k,
+    v,
+    *,
+    kv_layout: str = "bshd",
+    kv_length: Any = None,
+    q_offset: Any = 0,
+    kv_positions: Any = None,
+    scale: Any = None,
+    local_window_size: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    **_,
+) -> tuple[Dims, Any, Any, Any]:
+    """`check_decode`, the window, the mask and the bias of a call (its other arguments are
+    checked where they are used). Returns `(dims, window, mask, bias)`, the mask and bias as
+    `check_logits_operand` gives them."""
+    kw = dict(kv_length=kv_length, q_offset=q_offset, kv_positions=kv_positions, scale=scale)
+    dims = check_decode(fn, q, k, v, kv_layout=kv_layout, **kw)
+    window = check_window(fn, local_window_size)
+    mask = check_logits_operand(fn, "mask", mask, dims)
+    return dims, window, mask, check_logits_operand(fn, "bias", bias, dims)
 
 
 def per_row(x, batch: int, default: int) -> Int[Array, " batch"]:

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Layout, check_window, compute_dtype, default_scale
+from .._numerics import Layout, compute_dtype, default_scale
 from ..energy import Energy, is_plain_softmax
-from ._checks import check_decode, check_logits_operand, per_row, positions_per_row
+from ._checks import check_call, per_row, positions_per_row
 from ._energies import SOFTMAX, check_energy
 from ._registry import Backend, Choice, differentiable, dispatch, kernel_call, resolve
 from ._xla import Static, fused
@@ -104,22 +104,9 @@ def flash_attention(
     `backend="reference"` is differentiated by JAX in either mode.
     """
     fn = "flash_attention"
-    dims = check_decode(
-        fn,
-        q,
-        k,
-        v,
-        kv_layout=kv_layout,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_positions=kv_positions,
-        scale=scale,
-    )
+    dims, window, mask, bias = check_call(**locals())
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"{fn}: block_size must be a positive integer or None, got {block_size!r}")
-    window = check_window(fn, local_window_size)
-    mask = check_logits_operand(fn, "mask", mask, dims)
-    bias = check_logits_operand(fn, "bias", bias, dims)
     positions = positions_per_row(kv_positions, dims)
     energy = check_energy(fn, energy)
     call = kernel_call(
@@ -205,35 +192,14 @@ def flash_attention_reference(
     q: Float[Array, "batch q_seq heads qk"],
     k: Float[Array, "batch kv_seq kv_heads qk"] | Float[Array, "batch kv_heads kv_seq qk"],
     v: Float[Array, "batch kv_seq kv_heads dv"] | Float[Array, "batch kv_heads kv_seq dv"],
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    q_offset: int | Int[Array, ""] | Int[Array, " batch"] = 0,
-    kv_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
-    kv_layout: Layout = "bshd",
-    kv_positions: Int[Array, " kv_seq"] | Int[Array, "batch kv_seq"] | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    mask: Bool[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
-    bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
-    energy: Energy | None = SOFTMAX,
+    **kwargs,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
-    """The float32 twin of [`flash_attention`][treeattn.decode.flash_attention]: all logits
-    written out, plain `jnp`, differentiated by JAX; written independently of the kernels.
-    With another `energy`, its definition folded key by key
+    """The float32 twin of [`flash_attention`][treeattn.decode.flash_attention], with its
+    arguments but `backend` and `block_size`: all logits written out, plain `jnp`,
+    differentiated by JAX; written independently of the kernels. With another `energy`, its
+    definition folded key by key
     ([`energy_partial_reference`][treeattn.energy.energy_partial_reference])."""
-    return flash_attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        scale=scale,
-        q_offset=q_offset,
-        kv_length=kv_length,
-        backend="reference",
-        kv_layout=kv_layout,
-        kv_positions=kv_positions,
-        local_window_size=local_window_size,
-        mask=mask,
-        bias=bias,
-        energy=energy,
-    )
+    for name in ("backend", "block_size"):
+        if name in kwargs:
+            raise TypeError(f"flash_attention_reference: {name} is not an argument of the twin")
+    return flash_attention(q, k, v, backend="reference", **kwargs)

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from jax import lax
+
+from ._batching import owns_batch
 
 
 TARGET = "treeattn_cpu_decode"
@@ -393,32 +394,12 @@ def _kernel(scale: float, causal: bool, window, layout: str, has_pos: bool, sque
     there the folded axis is the batched cache's own."""
     attrs = dict(scale=scale, causal=causal, window=window, layout=layout, has_pos=has_pos)
 
-    @jax.custom_batching.custom_vmap
-    def kernel(q, k, v, q_offset, kv_length, kv_pos):
+    def call(q, k, v, q_offset, kv_length, kv_pos):
         return _ffi(q, k, v, q_offset, kv_length, kv_pos, **attrs, squeeze=squeeze)
 
-    @kernel.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        pairs = list(zip(args, in_batched, strict=True))
-        if not (in_batched[1] and in_batched[2]):
-
-            def one(batched):
-                it = iter(batched)
-                return kernel(*(next(it) if b else a for a, b in pairs))
-
-            return lax.map(one, [a for a, b in pairs if b]), (True, True)
-        batch = args[1].shape[1]
-
-        def fold(a, b):
-            a = a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-            return a.reshape(axis_size * batch, *a.shape[2:])
-
-        folded = _kernel(scale, causal, window, layout, has_pos, squeeze=False)
-        out, lse = folded(*(fold(a, b) for a, b in pairs))
-        unfold = (x.reshape(axis_size, batch, *x.shape[1:]) for x in (out, lse))
-        return tuple(unfold), (True, True)
-
-    return kernel
+    # Inside the vmap rule the folded batch is the cache's own: its unit axis is kept.
+    folded = _kernel(scale, causal, window, layout, has_pos, squeeze=False) if squeeze else None
+    return owns_batch(call, folded)
 
 
 def cpu_forward(

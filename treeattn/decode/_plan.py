@@ -12,18 +12,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from .._numerics import Dims, Layout, Window, check_window
+from .._numerics import Dims, Layout, Window, default_scale
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ..energy import Energy, is_plain_softmax
-from ._checks import (
-    check_decode,
-    check_logits_operand,
-    check_shard_lengths,
-    per_row,
-    positions_per_row,
-)
-from ._energies import name_of
+from ._checks import check_call, check_shard_lengths, per_row, positions_per_row
+from ._energies import check_energy, energy_sharded, name_of
 from ._flash import run_kernel
 from ._registry import Backend, BackendUnavailable, Choice, kernel_call, resolve
 from ._xla import Static
@@ -118,20 +112,7 @@ def plan_decode(
     `[batch, devices]` and the call is planned without causality (every query sees every
     filled key). Another energy than softmax is planned on the `"energy"` kernel, whose
     monoid states merge across the devices; what that cannot take is refused here."""
-    dims = check_decode(
-        fn,
-        q,
-        k,
-        v,
-        kv_layout=kv_layout,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_positions=kv_positions,
-        scale=scale,
-    )
-    window = check_window(fn, local_window_size)
-    mask = check_logits_operand(fn, "mask", mask, dims)
-    bias = check_logits_operand(fn, "bias", bias, dims)
+    dims, window, mask, bias = check_call(**locals())
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
@@ -260,3 +241,23 @@ def _check_energy_schedule(fn, energy: Energy, devices: int, kv_positions, shard
             f"{fn}: energy={name_of(energy)} reads the keys' {what}, which shard_lengths (fill "
             "counts) does not give; pass kv_positions and kv_length instead"
         )
+
+
+def run_sharded(fn: str, schedule: str, softmax, q, k, v, *, energy, reduction, **options):
+    """`tree_decode` / `ring_decode` (`schedule`) of their arguments: the call planned, then
+    softmax by `softmax(plan, q, k, v, offsets, lengths, positions, mask, bias, *, scale,
+    reduction)` (the schedule's local steps and merges), any other energy by its monoid's
+    schedule (`energy_sharded`)."""
+    energy = check_energy(fn, energy)
+    k_seq_axis = 1 if options.get("kv_layout", "bshd") == "bshd" else 2
+    kv_total = k.shape[k_seq_axis]
+    plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
+        fn, q, k, v, energy=energy, reduction=reduction, **options
+    )
+    s = default_scale(plan.dims.qk, options.get("scale"))
+    if plan.general:
+        kw = {"scale": s, "reduction": reduction or "allreduce", "kv_total": kv_total}
+        args = (plan, energy, q, k, v, offsets, lengths, positions, mask)
+        return energy_sharded(*args, schedule=schedule, **kw)
+    args = (plan, q, k, v, offsets, lengths, positions, mask, bias)
+    return softmax(*args, scale=s, reduction=reduction)

@@ -275,21 +275,29 @@ def _pallas_why_not(call: Call) -> str | None:
     return None
 
 
+def _cuda_fp16_call(call: Call, kind: str, takes: str) -> str | None:
+    """What a CUDA kernel of float16/bfloat16 only, which takes keys in position order and
+    `takes` besides, cannot serve of `call`."""
+    if call.platform != "cuda":
+        return f"it is {kind}, CUDA only (lowering for {call.platform})"
+    if call.has_positions:
+        return "it needs the keys in position order (kv_positions was given)"
+    if extras := call.extras():
+        return f"treeattn passes it {takes} only ({extras} was given)"
+    if call.dtype not in (jnp.float16, jnp.bfloat16):
+        return (
+            f"it takes float16/bfloat16 only, got {call.dtype} (cast the inputs to bfloat16 to "
+            "use it)"
+        )
+    return None
+
+
 def _cudnn_why_not(call: Call) -> str | None:
     # The limits are those of jax's fused_attention_stablehlo (check_layout,
     # check_is_flash_attention), which raise NotImplementedError/ValueError while tracing.
     dims = call.dims
-    if call.platform != "cuda":
-        return f"it is a cuDNN custom call, CUDA only (lowering for {call.platform})"
-    if call.has_positions:
-        return "it needs the keys in position order (kv_positions was given)"
-    if extras := call.extras():
-        return f"treeattn passes it key lengths only ({extras} was given)"
-    if call.dtype not in (jnp.float16, jnp.bfloat16):
-        return (
-            f"cuDNN's fused attention takes float16/bfloat16 only, got {call.dtype} (cast the "
-            "inputs to bfloat16 to use it)"
-        )
+    if reason := _cuda_fp16_call(call, "a cuDNN custom call", "key lengths"):
+        return reason
     if call.causal and dims.q_seq > 1:
         return "its causal mask aligns top-left; only q_seq=1 is supported with causal=True"
     target = call.cuda
@@ -318,14 +326,8 @@ def _cudnn_why_not(call: Call) -> str | None:
 def _flash_attn_jax_why_not(call: Call) -> str | None:
     # From flash_attn_jax 0.6.2's flash_fwd.flash_mha_fwd (asserts) and FlashAttention-2.
     dims = call.dims
-    if call.platform != "cuda":
-        return f"it is a CUDA kernel (lowering for {call.platform})"
-    if call.has_positions:
-        return "it needs the keys in position order (kv_positions was given)"
-    if extras := call.extras():
-        return f"treeattn passes it a causal flag only ({extras} was given)"
-    if call.dtype not in (jnp.float16, jnp.bfloat16):
-        return f"it takes float16/bfloat16 only, got {call.dtype}"
+    if reason := _cuda_fp16_call(call, "a CUDA kernel", "a causal flag"):
+        return reason
     if dims.dv != dims.qk:
         return f"its value dim must equal the head dim (qk={dims.qk}, dv={dims.dv})"
     if dims.qk > 256:
@@ -536,35 +538,21 @@ def resolve(fn: str, backend: str | Sequence[str], call: Call) -> Choice:
 
 
 def kernel_call(
-    dims: Dims,
-    dtype,
-    *,
-    causal: bool,
-    has_length: bool,
-    q_offset,
-    has_positions: bool,
-    window: Window | None = None,
-    has_mask: bool = False,
-    has_bias: bool = False,
-    energy: Energy | None = None,
+    dims: Dims, dtype, *, q_offset=None, energy: Energy | None = None, **features
 ) -> Call:
-    """The `Call` record of a kernel call, for this process's platform (`resolve` replaces the
-    platform with each lowering platform in turn)."""
+    """The `Call` record of a kernel call (`features`: the other fields of `Call`), for this
+    process's platform (`resolve` replaces the platform with each lowering platform in
+    turn). `q_offset` is kept when static; `energy` by name, None for `Softmax()`."""
     host = host_platform()
     return Call(
         dims=dims,
         dtype=jnp.dtype(dtype),
-        causal=causal,
-        has_length=has_length,
         q_offset=q_offset if isinstance(q_offset, int) else None,
-        has_positions=has_positions,
         platform=host,
         host=host,
         cuda=cuda_target(),
-        window=window,
-        has_mask=has_mask,
-        has_bias=has_bias,
         energy=None if energy is None or is_plain_softmax(energy) else name_of(energy),
+        **features,
     )
 
 
@@ -586,18 +574,9 @@ def select_backend(
     """The kernel `flash_attention` would run for a call of these sizes (`dims` of one call:
     batch and layout included) and this `energy` (None: `Softmax()`) when lowered for
     `platform` (default: this process's); raises `BackendUnavailable` saying why none can."""
-    call = kernel_call(
-        dims,
-        dtype,
-        causal=causal,
-        has_length=has_length,
-        q_offset=q_offset,
-        has_positions=has_positions,
-        window=window,
-        has_mask=has_mask,
-        has_bias=has_bias,
-        energy=energy,
-    )
+    features = dict(locals())
+    del features["backend"], features["platform"]
+    call = kernel_call(**features)
     return resolve("flash_attention", backend, call).kernel(platform or call.host)
 
 

@@ -15,11 +15,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Layout, default_scale
+from .._numerics import Layout
 from .._partials import Reduction, merge_partials
 from ..energy import Energy
-from ._energies import SOFTMAX, check_energy, energy_sharded
-from ._plan import DecodePlan, plan_decode
+from ._energies import SOFTMAX
+from ._plan import DecodePlan, run_sharded
 from ._registry import Backend
 
 
@@ -60,41 +60,14 @@ def ring_decode(
     $\zeta$, complete on every device (no reduction). This is the baseline tree decoding of an
     energy is measured against: it moves whole K/V shards where the tree moves states.
     """
-    del reduction
-    fn = "ring_decode"
-    energy = check_energy(fn, energy)
-    kv_total = k.shape[1 if kv_layout == "bshd" else 2]
-    plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
-        fn,
-        q,
-        k,
-        v,
-        mesh=mesh,
-        kv_axis=kv_axis,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        causal=causal,
-        kv_layout=kv_layout,
-        reduction=None,
-        backend=backend,
-        kv_positions=kv_positions,
-        scale=scale,
-        local_window_size=local_window_size,
-        mask=mask,
-        bias=bias,
-        shard_lengths=shard_lengths,
-        energy=energy,
-        kv_finite=kv_finite,
-    )
-    s = default_scale(plan.dims.qk, scale)
-    if plan.general:
-        kw = {"scale": s, "reduction": "allreduce", "schedule": "ring", "kv_total": kv_total}
-        return energy_sharded(plan, energy, q, k, v, offsets, lengths, positions, mask, **kw)
-    return _ring(plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s)
+    args = dict(locals())  # every argument, as given
+    args["reduction"] = None  # the ring is the schedule
+    return run_sharded("ring_decode", "ring", _ring, **args)
 
 
 @jax.named_scope("ring_decode")
-def _ring(plan: DecodePlan, q, k, v, offsets, lengths, positions, mask, bias, *, scale):
+def _ring(plan: DecodePlan, q, k, v, offsets, lengths, positions, mask, bias, *, scale, reduction):
+    del reduction  # the ring is the schedule
     p = plan.devices
     ring = [(i, (i + 1) % p) for i in range(p)]
 

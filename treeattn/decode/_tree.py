@@ -14,11 +14,11 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Layout, default_scale
+from .._numerics import Layout
 from .._partials import Reduction, merge_across
 from ..energy import Energy
-from ._energies import SOFTMAX, check_energy, energy_sharded
-from ._plan import DecodePlan, plan_decode
+from ._energies import SOFTMAX
+from ._plan import DecodePlan, run_sharded
 from ._registry import Backend
 
 
@@ -102,38 +102,9 @@ def tree_decode(
 
     **Returns:** `[batch, q_seq, heads, dv]` in the input dtype, replicated.
     """
-    fn = "tree_decode"
-    energy = check_energy(fn, energy)
-    kv_total = k.shape[1 if kv_layout == "bshd" else 2]
-    plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
-        fn,
-        q,
-        k,
-        v,
-        mesh=mesh,
-        kv_axis=kv_axis,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        causal=causal,
-        kv_layout=kv_layout,
-        reduction=reduction,
-        backend=backend,
-        kv_positions=kv_positions,
-        scale=scale,
-        local_window_size=local_window_size,
-        mask=mask,
-        bias=bias,
-        shard_lengths=shard_lengths,
-        energy=energy,
-        kv_finite=kv_finite,
-    )
-    s = default_scale(plan.dims.qk, scale)
-    if plan.general:
-        kw = {"scale": s, "reduction": reduction, "schedule": "tree", "kv_total": kv_total}
-        return energy_sharded(plan, energy, q, k, v, offsets, lengths, positions, mask, **kw)
-    return _tree(
-        plan, q, k, v, offsets, lengths, positions, mask, bias, scale=s, reduction=reduction
-    )
+    args = dict(locals())  # every argument, as given
+    args["reduction"] = reduction
+    return run_sharded("tree_decode", "tree", _tree, **args)
 
 
 @jax.named_scope("tree_decode")

@@ -28,6 +28,8 @@ from ._free_energy import (
     free_energy as free_energy,
     masked_logsumexp as masked_logsumexp,
     multihead_free_energy as multihead_free_energy,
+    value_covariance as value_covariance,
+    value_moments as value_moments,
 )
 from ._likelihood import (
     TiltedSource as TiltedSource,
@@ -35,11 +37,6 @@ from ._likelihood import (
     tilted_source as tilted_source,
 )
 from ._linear_state import LinearState as LinearState
-from ._moments import value_covariance as value_covariance, value_moments as value_moments
-from ._on_mesh import (
-    tree_energy_attention as tree_energy_attention,
-    tree_free_energy as tree_free_energy,
-)
 from ._partial import (
     energy_partial as energy_partial,
     energy_partial_reference as energy_partial_reference,
@@ -47,4 +44,6 @@ from ._partial import (
 from ._sharded import (
     sharded_energy_attention as sharded_energy_attention,
     sharded_free_energy as sharded_free_energy,
+    tree_energy_attention as tree_energy_attention,
+    tree_free_energy as tree_free_energy,
 )

@@ -14,7 +14,7 @@ so one gradient gives every output.
 from __future__ import annotations
 
 import functools
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from ._energies import (
     is_plain_softmax,
     make_context,
 )
-from ._generic import attention, total_energy
+from ._generic import attention, cumulant, total_energy
 from ._local import bad_logits, finite_kv, reference_terms, scaled_logits
 
 
@@ -98,19 +98,9 @@ def free_energy(
         raise ValueError(f"{fn}: zeta must have shape [dv], got shape {jnp.shape(zeta)}")
     if mask is not None and jnp.ndim(mask) != 1:
         raise ValueError(f"{fn}: mask must have shape [kv], got shape {jnp.shape(mask)}")
-    f = _multihead(
-        fn,
-        q[None, None],
-        k[:, None],
-        v[:, None],
-        zeta[None, None],
-        causal=False,
-        mask=None if mask is None else jnp.asarray(mask)[None],
-        scale=scale,
-        q_offset=0,
-        energy=energy,
-    )
-    return f
+    mask = None if mask is None else jnp.asarray(mask)[None]
+    args = dict(q=q[None, None], k=k[:, None], v=v[:, None], zeta=zeta[None, None])
+    return _multihead(fn, **args, causal=False, mask=mask, scale=scale, q_offset=0, energy=energy)
 
 
 def causal_free_energy(
@@ -150,19 +140,9 @@ def causal_free_energy(
     ):
         if jnp.ndim(x) != 2:
             raise ValueError(f"{fn}: {name} must have shape {want}, got shape {jnp.shape(x)}")
-    return _multihead(
-        fn,
-        q[:, None],
-        k[:, None],
-        v[:, None],
-        zeta[:, None],
-        causal=True,
-        mask=None,
-        scale=scale,
-        q_offset=q_offset,
-        local_window_size=local_window_size,
-        energy=energy,
-    )
+    args = {name: x[:, None] for name, x in dict(q=q, k=k, v=v, zeta=zeta).items()}
+    kw: dict[str, Any] = dict(scale=scale, q_offset=q_offset, energy=energy)
+    return _multihead(fn, **args, causal=True, mask=None, local_window_size=local_window_size, **kw)
 
 
 def multihead_free_energy(
@@ -207,20 +187,7 @@ def multihead_free_energy(
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
     $F_\mathrm{tot} = -\infty$; gradients stay finite and are 0 for that query.
     """
-    return _multihead(
-        "multihead_free_energy",
-        q,
-        k,
-        v,
-        zeta,
-        causal=causal,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        local_window_size=local_window_size,
-        energy=energy,
-        block_size=block_size,
-    )
+    return _multihead("multihead_free_energy", **locals())
 
 
 def _multihead(
@@ -415,3 +382,85 @@ def _energy_reference(energy, q, k, v, mask, q_offset, *, causal, scale, window=
     vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
     return reference_terms(energy, q, k, v, vis, ctx)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Higher cumulants of the values: repeated derivatives of F in the source (eq. 12)
+# ---------------------------------------------------------------------------------------------
+#
+# F_{i,h}(zeta) is the cumulant-generating function of the values under query (i, h)'s
+# attention distribution p, so its n-th derivative at 0 is the n-th cumulant: the mean
+# (attention), the covariance, the third central moment, and so on.
+
+
+def value_moments(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    order: int,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
+) -> Float[Array, "q_seq heads *dv"]:
+    r"""The `order`-th cumulant tensor of the values, for every query and head.
+
+    $$\kappa^{(n)}_{i,h} = \frac{\partial^n F_{i,h}}{\partial\zeta^n}\Big|_{\zeta=0},$$
+
+    computed by differentiating the free energy `order` times (reverse mode once, then forward
+    mode). Because $F_\mathrm{tot}$ is a sum of independent per-query terms, its derivative tensor
+    is block diagonal; differentiating along a source shared by all queries,
+    $\zeta_{i,h} = u$, yields every block at once for the cost of $dv^{n-1}$ gradients, so this
+    is meant for small `dv`.
+
+    **Arguments:** as [`energy_attention`][treeattn.energy.energy_attention], plus `order >= 1`.
+    With another `energy`, the derivatives of that energy's $F$ (see its docstring for what
+    they mean).
+
+    **Returns:** `[q_seq, heads, dv, ..., dv]` (`order` trailing `dv` axes) in the dtype of the
+    inputs: `order=1` is attention, `order=2` the covariance, `order=3` the third central moment.
+    A query with no visible key gets 0.
+    """
+    if not isinstance(order, int) or isinstance(order, bool) or order < 1:
+        raise ValueError(f"value_moments: order must be an integer >= 1, got {order!r}")
+    return _cumulant("value_moments", q, k, v, order, causal, mask, scale, q_offset, energy)
+
+
+def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset, energy) -> Array:
+    check_multihead(fn, q, k, v, mask=mask, scale=scale)
+    check_q_offset(fn, q_offset)
+    check_energy(fn, energy)
+    q_pos = as_position(q_offset)
+    return cumulant(energy, q, k, v, mask, q_pos, order=order, causal=causal, scale=scale)
+
+
+def value_covariance(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    energy: Energy = SOFTMAX,
+) -> Float[Array, "q_seq heads dv dv"]:
+    r"""The covariance of the values under each query's attention distribution.
+
+    $$\Sigma_{i,h} = \frac{\partial^2 F_{i,h}}{\partial\zeta^2}\Big|_{\zeta=0}
+      = \sum_a p_a (v_a - \mu)(v_a - \mu)^\top, \qquad \mu = \sum_a p_a v_a,$$
+
+    the Hessian of the free energy in the source (the second cumulant of eq. 12). Its trace says
+    how spread out the values a head averages are: 0 when attention picks one key (or all the
+    keys it sees carry the same value), large when it mixes distant values.
+
+    **Arguments:** as [`energy_attention`][treeattn.energy.energy_attention]. With another
+    `energy`, its Hessian in $\zeta$ (for [`Sigmoid`][treeattn.energy.Sigmoid]
+    $\sum_a \sigma(1-\sigma)\,v_a v_a^\top$).
+
+    **Returns:** `[q_seq, heads, dv, dv]`, symmetric positive semi-definite, in the dtype of the
+    inputs; 0 for a query with no visible key.
+    """
+    return _cumulant("value_covariance", q, k, v, 2, causal, mask, scale, q_offset, energy)

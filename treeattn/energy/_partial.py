@@ -136,17 +136,11 @@ def energy_partial_reference(
     q: Float[Array, "q_seq heads qk"],
     k: Float[Array, "kv kv_heads qk"] | Float[Array, "kv_heads kv qk"],
     v: Float[Array, "kv kv_heads dv"] | Float[Array, "kv_heads kv dv"],
-    *,
-    energy: Energy,
-    kv_positions: Int[Array, " kv"],
-    q_offset: int | Int[Array, ""],
-    kv_total: int,
-    visible: Bool[Array, "#kv_heads #group #q_seq kv"] | None = None,
-    scale: float | None = None,
-    kv_layout: Layout = "bshd",
+    **kwargs,
 ) -> tuple[Float[Array, "q_seq heads dv"], Float[Array, "q_seq heads"]]:
     r"""The twin of [`energy_partial`][treeattn.energy.energy_partial] on one device, with
-    its arguments: the energy's definition folded key by key in the order given (after the
+    its arguments `energy`, `kv_positions`, `q_offset`, `kv_total`, `visible`, `scale` and
+    `kv_layout`: the energy's definition folded key by key in the order given (after the
     once-only term), each key's weight $w_a = \partial F/\partial t_a$ at a tilt $t = 0$, and
     $o = \sum_a w_a v_a$ — no `tilt_at_zero`, no blockwise lift, nothing shared with the fast
     path but the energy itself. Non-finite keys and values that a row does not see never reach
@@ -154,9 +148,16 @@ def energy_partial_reference(
 
     **Returns:** `(out, F)` as `energy_partial`.
     """
-    fn = "energy_partial_reference"
-    args = (q, k, v, energy, kv_positions, q_offset, kv_total, kv_layout, scale)
-    _, _, ctx, head_major = _setup(fn, *args)
+    return _reference_partial("energy_partial_reference", q, k, v, **kwargs)
+
+
+def _reference_partial(
+    fn, q, k, v, *, energy, kv_positions, q_offset, kv_total, visible=None, scale=None, **layout
+):
+    args = (q, k, v, energy, kv_positions, q_offset, kv_total, layout.pop("kv_layout", "bshd"))
+    if layout:
+        raise TypeError(f"{fn}: unexpected arguments {sorted(layout)}")
+    _, _, ctx, head_major = _setup(fn, *args, scale)
     return reference_terms(energy, q, k, v, visible, ctx, head_major=head_major)
 
 

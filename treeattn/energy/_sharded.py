@@ -6,59 +6,70 @@ these with associative reductions (Algorithm 1: a max, then a sum). Attention is
 the merged energy at $\zeta = 0$; a custom VJP implements Algorithm 2: the forward saves the
 merged energy $F$ (which holds the max), and the gradient needs **one** more sum across devices,
 of $\sum_{a\in\mathrm{shard}} e^{x_a - F} v_a$ (and of the query gradient, packed with it).
+
+`tree_free_energy` and `tree_energy_attention` take whole arrays instead: they shard the
+sequence over the mesh axis `kv_axis` themselves, and run Algorithm 1 in one `shard_map` and
+Algorithm 2 (the one-reduction gradient) in another; the gradient is a custom VJP defined
+outside both, so it holds for every reduction schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import (
-    as_position,
-    check_window,
-    default_scale,
-    visibility,
-)
+from .._numerics import as_position, check_window, compute_dtype, default_scale, visibility
 from .._partials import (
     AxisName,
     Reduction,
     check_bound_axes,
     check_reduction,
 )
+from .._sharding import SequenceSharding
 from ._checks import check_multihead, check_q_offset
 from ._energies import SOFTMAX, Energy, check_energy
-from ._generic import sharded_attention, sharded_total
+from ._generic import (
+    mesh_attention,
+    mesh_total,
+    on_mesh_plan,
+    sharded_attention,
+    sharded_total,
+    total_energy,
+)
 
 
-def _prepare(
-    fn,
-    q,
-    k,
-    v,
-    zeta,
-    *,
-    axis_name,
-    causal,
-    mask,
-    scale,
-    q_offset,
-    kv_offset,
-    reduction,
-    local_window_size=None,
-):
+def _sharded(fn, q, k, v, zeta, *, axis_name, mask, q_offset, kv_offset, reduction, **rest):
+    """Check the arguments, build this device's visibility, and evaluate: F_tot with a source
+    `zeta`, attention without (`zeta=None`). `rest`: `causal`, `scale`, `local_window_size`,
+    `energy`."""
+    scale, energy = rest["scale"], rest["energy"]
     dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     check_reduction(fn, reduction, axis_name)
     check_bound_axes(fn, axis_name)
+    check_energy(fn, energy)
     if kv_offset is None:
         kv_offset = lax.axis_index(axis_name) * dims.kv_seq
     else:
         check_q_offset(fn, kv_offset, name="kv_offset")
-    window = check_window(fn, local_window_size)
+    window = check_window(fn, rest["local_window_size"])
     vis = visibility(
-        dims, causal=causal, mask=mask, q_offset=q_offset, kv_offset=kv_offset, window=window
+        dims,
+        causal=rest["causal"],
+        mask=mask,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        window=window,
     )
-    return dims, vis, kv_offset
+    s = default_scale(dims.qk, scale)
+    offsets = (as_position(q_offset), as_position(kv_offset))
+    if zeta is None:
+        return sharded_attention(energy, q, k, v, vis, *offsets, dims, s, axis_name, reduction)
+    return sharded_total(energy, q, k, v, zeta, vis, *offsets, dims, s, axis_name, reduction)
 
 
 def sharded_free_energy(
@@ -105,26 +116,7 @@ def sharded_free_energy(
 
     **Returns:** the scalar $F_\mathrm{tot}$ (float32, or float64), replicated.
     """
-    fn = "sharded_free_energy"
-    check_energy(fn, energy)
-    dims, vis, kv_offset = _prepare(
-        fn,
-        q,
-        k,
-        v,
-        zeta,
-        axis_name=axis_name,
-        causal=causal,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        reduction=reduction,
-        local_window_size=local_window_size,
-    )
-    s = default_scale(dims.qk, scale)
-    args = (q, k, v, zeta, vis, as_position(q_offset), as_position(kv_offset))
-    return sharded_total(energy, *args, dims, s, axis_name, reduction)
+    return _sharded("sharded_free_energy", **locals())
 
 
 def sharded_energy_attention(
@@ -153,23 +145,113 @@ def sharded_energy_attention(
 
     **Returns:** `[q_seq, heads, dv]` in the input dtype, replicated.
     """
-    fn = "sharded_energy_attention"
+    return _sharded("sharded_energy_attention", zeta=None, **locals())
+
+
+# ---------------------------------------------------------------------------------------------
+# On a mesh: global arrays, sharded here
+# ---------------------------------------------------------------------------------------------
+
+
+def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **rest):
+    """Validate, pad the sequence to a multiple of the device count, and evaluate: F_tot with
+    a source `zeta`, attention without (`zeta=None`, the point 0). `rest`: `causal`, `scale`,
+    `local_window_size`, `energy`."""
+    causal, scale, energy = rest["causal"], rest["scale"], rest["energy"]
+    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
+    check_q_offset(fn, q_offset)
+    window = check_window(fn, rest["local_window_size"])
     check_energy(fn, energy)
-    dims, vis, kv_offset = _prepare(
-        fn,
-        q,
-        k,
-        v,
-        None,
-        axis_name=axis_name,
-        causal=causal,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        reduction=reduction,
-        local_window_size=local_window_size,
-    )
+    sharding = SequenceSharding.create(fn, mesh, kv_axis)
+    check_reduction(fn, reduction, sharding.axis_name)
+    at_zero = zeta is None
+    if dims.kv_seq == 0:  # no key to shard: the answer needs no device but this one
+        if at_zero:
+            return jnp.zeros((dims.q_seq, dims.heads, dims.dv), q.dtype)
+        kw = {"causal": causal, "scale": scale, "window": window}
+        return total_energy(energy, q, k, v, zeta, mask, jnp.asarray(q_offset, jnp.int32), **kw)
+    pad = sharding.padding(dims.kv_seq)
+    if pad:
+        # Keys beyond the sequence are padding: zero, and masked out everywhere.
+        k, v = sharding.pad(k, 0), sharding.pad(v, 0)
+        valid = jnp.arange(dims.kv_seq + pad) < dims.kv_seq
+        if mask is None:
+            mask = jnp.broadcast_to(valid, (dims.q_seq, dims.kv_seq + pad))
+        else:
+            mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
+    local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
     s = default_scale(dims.qk, scale)
-    args = (q, k, v, vis, as_position(q_offset), as_position(kv_offset))
-    return sharded_attention(energy, *args, dims, s, axis_name, reduction)
+    has_mask = mask is not None
+    plan = on_mesh_plan(
+        sharding, local, dims.kv_seq, s, causal, reduction, at_zero, has_mask, window
+    )
+    if zeta is None:
+        zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
+    args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
+    if mask is not None:
+        args["mask"] = jnp.asarray(mask)
+    if at_zero:
+        return mesh_attention(plan, energy, args).astype(q.dtype)
+    return mesh_total(plan, energy, args)
+
+
+def tree_free_energy(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    zeta: Float[Array, "q_seq heads dv"],
+    *,
+    mesh: Mesh,
+    kv_axis: AxisName,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
+) -> Float[Array, ""]:
+    r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
+
+    `k`, `v` (and `mask`) are split along the sequence over the mesh axis `kv_axis` (a name, or
+    `(slow, fast)` for the hierarchical schedule); `q` and `zeta` are replicated. A sequence that
+    does not divide evenly is padded with masked keys (so some shards may hold no valid key at
+    all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
+    differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
+    for every schedule. `local_window_size` is a sliding window by absolute position, as in
+    `multihead_free_energy`. Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
+
+    ```python
+    mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
+    F = tree_free_energy(q, k, v, zeta, mesh=mesh, kv_axis="kv", causal=True)
+    ```
+    """
+    return _on_mesh("tree_free_energy", **locals())
+
+
+def tree_energy_attention(
+    q: Float[Array, "q_seq heads qk"],
+    k: Float[Array, "kv_seq kv_heads qk"],
+    v: Float[Array, "kv_seq kv_heads dv"],
+    *,
+    mesh: Mesh,
+    kv_axis: AxisName,
+    causal: bool = False,
+    mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset: int | Int[Array, ""] = 0,
+    reduction: Reduction = "allreduce",
+    local_window_size: int | tuple[int, int] | None = None,
+    energy: Energy = SOFTMAX,
+) -> Float[Array, "q_seq heads dv"]:
+    r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of
+    [`tree_free_energy`][treeattn.energy.tree_free_energy] in $\zeta$ at $\zeta = 0$.
+
+    The forward runs Algorithm 1 on every shard (two reductions of `[q_seq, heads]` with the
+    `"allreduce"` schedule) and the gradient Algorithm 2 (one reduction of `[q_seq, heads, dv]`);
+    at $\zeta = 0$ the source term is not computed. Same result as
+    [`energy_attention`][treeattn.energy.energy_attention]; differentiable in q, k, v.
+
+    **Returns:** `[q_seq, heads, dv]` in the input dtype, replicated.
+    """
+    return _on_mesh("tree_energy_attention", zeta=None, **locals())

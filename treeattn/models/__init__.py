@@ -1,8 +1,7 @@
 """Equinox layers and a Llama-style decoder whose attention runs on every treeattn backend."""
 
-import warnings as _warnings
-
 from .. import pretrained as _pretrained, training as _training
+from .._deprecated import moved
 from ..decode import AttentionBackend as AttentionBackend
 from ._attention import MultiheadAttention as MultiheadAttention
 from ._cache import KVCache as KVCache, LinearCache as LinearCache
@@ -24,24 +23,10 @@ from ._llama import DecoderBlock as DecoderBlock, Transformer as Transformer
 
 
 # Deprecated aliases: names that live in other subpackages.
-_MOVED = {
-    "train": _training,
-    "TrainConfig": _training,
-    "lm_loss": _training,
-    "CharTokenizer": _pretrained,
-    "load_text": _pretrained,
-    "DATA": _pretrained,
-    "CHECKPOINTS": _pretrained,
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        home = _MOVED[name]
-        _warnings.warn(
-            f"treeattn.models.{name} is deprecated: use {home.__name__}.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(home, name)
-    raise AttributeError(f"module 'treeattn.models' has no attribute {name!r}")
+__getattr__ = moved(
+    "treeattn.models",
+    {
+        **dict.fromkeys(("train", "TrainConfig", "lm_loss"), _training),
+        **dict.fromkeys(("CharTokenizer", "load_text", "DATA", "CHECKPOINTS"), _pretrained),
+    },
+)

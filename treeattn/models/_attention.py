@@ -329,39 +329,45 @@ class MultiheadAttention(eqx.Module):
         return isinstance(self.energy, LinearKernel) and self.local_window_size is None
 
     def init_cache(
-        self, max_len: int, *, dtype=None, linear_state: bool | None = None, **kwargs
+        self,
+        max_len: int,
+        *,
+        dtype=None,
+        linear_state: bool | None = None,
+        layers: int | None = None,
+        **kwargs,
     ) -> Cache:
-        """An empty cache for this layer: a `LinearCache` when `uses_linear_state` (unless
-        `linear_state=False`), else a `KVCache` (`kwargs` go to `KVCache.create`: `mesh`,
-        `kv_axis`, `block`, `layout`, `batch`). `dtype` defaults to the query projection's."""
+        """An empty cache for this layer (or with `layers=n`, for `n` layers like it): a
+        `LinearCache` when `uses_linear_state` (unless `linear_state=False`), else a `KVCache`
+        (`kwargs` go to `KVCache.create`: `mesh` and `kv_axis`, default the backend's; `block`,
+        default 16, one contiguous block per shard for an ordered energy; `layout`, default
+        what the backend reads in place; `batch`). `dtype` defaults to the query projection's."""
         dtype = dtype or self.query_proj.weight.dtype
         if linear_state is None:
             linear_state = self.uses_linear_state
+        sizes = (self.num_kv_heads, max_len, self.qk_size, self.vo_size)
         if linear_state:
             if not self.uses_linear_state:
                 raise ValueError(
-                    "MultiheadAttention.init_cache: linear_state=True needs energy=LinearKernel"
-                    f"(...) without a sliding window, got energy={type(self.energy).__name__} "
-                    f"and local_window_size={self.local_window_size}"
+                    "init_cache: linear_state=True needs energy=LinearKernel(...) without a "
+                    f"sliding window, got energy={type(self.energy).__name__} and "
+                    f"local_window_size={self.local_window_size}"
                 )
             assert isinstance(self.energy, LinearKernel)
+            batch = kwargs.get("batch")
             return LinearCache.create(
-                self.num_kv_heads,
-                max_len,
-                self.qk_size,
-                self.vo_size,
-                energy=self.energy,
-                dtype=dtype,
-                batch=kwargs.get("batch"),
+                *sizes, energy=self.energy, dtype=dtype, layers=layers, batch=batch
             )
-        if self.backend.sharded and "mesh" not in kwargs:
+        if self.backend.sharded and kwargs.get("mesh") is None:
             kwargs.update(mesh=self.backend.mesh, kv_axis=self.backend.kv_axis)
-        if self.energy is not None and not self.energy.monoid.commutative:
-            kwargs.setdefault("block", None)  # an ordered fold: each shard one range
-        kwargs.setdefault("layout", self.cache_layout(dtype))
-        return KVCache.create(
-            self.num_kv_heads, max_len, self.qk_size, self.vo_size, dtype=dtype, **kwargs
-        )
+        if kwargs.get("block") is None:
+            # Round-robin blocks of 16 fill the shards evenly; an ordered energy folds the
+            # shards in position order, so each holds one contiguous range instead.
+            ordered = self.energy is not None and not self.energy.monoid.commutative
+            kwargs["block"] = None if ordered else 16
+        if kwargs.get("layout") is None:
+            kwargs["layout"] = self.cache_layout(dtype)
+        return KVCache.create(*sizes, dtype=dtype, layers=layers, **kwargs)
 
     def cache_layout(self, dtype=None, backend: AttentionName | AttentionBackend | None = None):
         """The layout of a KV cache that `backend` (default: the layer's) reads where it

@@ -162,64 +162,52 @@ class Family:
     """What sets a Hugging Face family of the Llama decoder apart.
 
     - `architecture`: its causal LM class in transformers (`config.json`'s `architectures`).
-    - `defaults`: its config class's defaults for the keys that decide the architecture (a
-      `config.json` normally states them all).
     - `fixed`: the switches the family fixes (`attention_bias`, `qkv_bias`, `qk_norm`,
       `mlp_bias`, `sliding_window`), as transformers builds it; the others are free.
     - `windows`: how its `config.json` states a sliding window: `"none"` (it has none),
       `"uniform"` (one window for every layer, `sliding_window`) or `"per_layer"`
       (`use_sliding_window`, `max_window_layers`, `layer_types`: Qwen's).
-    - `gguf`: llama.cpp's `general.architecture` for it, and `gguf_permuted`: whether
-      llama.cpp's converter reorders the rows of `attn_q`/`attn_k` for its rotary kernel.
+    - `defaults`: its config class's defaults for the keys that decide the architecture (a
+      `config.json` normally states them all).
+    - `gguf`: llama.cpp's `general.architecture` for it (None: its `model_type`), and
+      `gguf_permuted`: whether llama.cpp's converter reorders the rows of `attn_q`/`attn_k`
+      for its rotary kernel.
     """
 
     architecture: str
-    defaults: Mapping[str, Any]
     fixed: Mapping[str, Any]
-    windows: Literal["none", "uniform", "per_layer"]
-    gguf: str
-    gguf_permuted: bool
+    windows: Literal["none", "uniform", "per_layer"] = "none"
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"rms_norm_eps": 1e-6})
+    gguf: str | None = None
+    gguf_permuted: bool = False
 
+
+_NO_BIASES = {"attention_bias": False, "qkv_bias": False, "mlp_bias": False}
+_NO_WINDOW = {"sliding_window": None}
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
-        "LlamaForCausalLM",
-        {"rms_norm_eps": 1e-6},
-        {"qkv_bias": False, "qk_norm": False, "sliding_window": None},
-        windows="none",
-        gguf="llama",
-        gguf_permuted=True,
+        "LlamaForCausalLM", {"qkv_bias": False, "qk_norm": False, **_NO_WINDOW}, gguf_permuted=True
     ),
     # llama.cpp converts Mistral as "llama"; its sliding window tells the two apart.
     "mistral": Family(
         "MistralForCausalLM",
+        {**_NO_BIASES, "qk_norm": False},
+        "uniform",
         {"rms_norm_eps": 1e-6, "sliding_window": 4096},
-        {"attention_bias": False, "qkv_bias": False, "qk_norm": False, "mlp_bias": False},
-        windows="uniform",
         gguf="llama",
         gguf_permuted=True,
     ),
     "qwen2": Family(
         "Qwen2ForCausalLM",
-        {"rms_norm_eps": 1e-6},
-        {
-            "attention_bias": False,
-            "qkv_bias": True,
-            "qk_norm": False,
-            "mlp_bias": False,
-            "sliding_window": None,
-        },
-        windows="per_layer",
-        gguf="qwen2",
-        gguf_permuted=False,
+        {**_NO_BIASES, "qkv_bias": True, "qk_norm": False, **_NO_WINDOW},
+        "per_layer",
     ),
     "qwen3": Family(
         "Qwen3ForCausalLM",
+        {"qkv_bias": False, "qk_norm": True, "mlp_bias": False, **_NO_WINDOW},
+        "per_layer",
         {"rms_norm_eps": 1e-6, "head_dim": 128},
-        {"qkv_bias": False, "qk_norm": True, "mlp_bias": False, "sliding_window": None},
-        windows="per_layer",
-        gguf="qwen3",
-        gguf_permuted=False,
     ),
 }
 

@@ -19,18 +19,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._config import FAMILIES, LlamaConfig, config_from_dict
-from ._hf import model_from_tensors
+from ._hf import Checkpoint
 from ._layers import Llama3Scaling, RotaryEmbedding
 
 
 if TYPE_CHECKING:
-    from ..decode import AttentionBackend, AttentionName
-    from ._llama import Transformer
+    pass
 
 
 # llama.cpp's architecture (`general.architecture`) of each family this decoder reads. Mistral
 # has none of its own: llama.cpp converts it as "llama"; a sliding window makes it Mistral here.
-ARCHITECTURES = tuple(dict.fromkeys(f.gguf for f in FAMILIES.values()))
+ARCHITECTURES = tuple(dict.fromkeys(f.gguf or name for name, f in FAMILIES.items()))
 
 # llama.cpp's tensor names -> Hugging Face's (the same `[out, in]` matrices once dequantised).
 _TOP = {
@@ -59,28 +58,26 @@ _HF_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)|(.+)\.(weight|
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def to_hf(name: str) -> str | None:
-    """The Hugging Face name of llama.cpp's tensor `name` (None: not one of a decoder's)."""
-    m = _GGUF_NAME.fullmatch(name)
+def _rename(name: str, pattern: re.Pattern, top: dict, layer: dict, layer_name: str):
+    """`name` in the other naming scheme, or None when it is not one of a decoder's tensors."""
+    m = pattern.fullmatch(name)
     if m is None:
         return None
     if m[1] is not None:
-        leaf = _LAYER.get(m[2])
-        return None if leaf is None else f"model.layers.{m[1]}.{leaf}.{m[3]}"
-    top = _TOP.get(m[4])
-    return None if top is None else f"{top}.{m[5]}"
+        leaf = layer.get(m[2])
+        return None if leaf is None else layer_name.format(m[1], leaf, m[3])
+    base = top.get(m[4])
+    return None if base is None else f"{base}.{m[5]}"
+
+
+def to_hf(name: str) -> str | None:
+    """The Hugging Face name of llama.cpp's tensor `name` (None: not one of a decoder's)."""
+    return _rename(name, _GGUF_NAME, _TOP, _LAYER, "model.layers.{}.{}.{}")
 
 
 def to_gguf(name: str) -> str:
     """llama.cpp's name of the Hugging Face tensor `name` (itself if it has none)."""
-    m = _HF_NAME.fullmatch(name)
-    if m is None:
-        return name
-    if m[1] is not None:
-        leaf = _LAYER_HF.get(m[2])
-        return name if leaf is None else f"blk.{m[1]}.{leaf}.{m[3]}"
-    top = _TOP_HF.get(m[4])
-    return name if top is None else f"{top}.{m[5]}"
+    return _rename(name, _HF_NAME, _TOP_HF, _LAYER_HF, "blk.{}.{}.{}") or name
 
 
 def _label(name: str) -> str:
@@ -282,14 +279,9 @@ def _llama3_scaling(factors: np.ndarray, d: dict[str, Any], where: str) -> Llama
     )
 
 
-def load_gguf(
-    cls: type[Transformer],
-    path: str | pathlib.Path,
-    *,
-    dtype=None,
-    backend: AttentionName | AttentionBackend = "energy",
-) -> Transformer:
-    """See `Transformer.from_gguf`."""
+def read_gguf(path: str | pathlib.Path) -> Checkpoint:
+    """The configuration and the dequantised, renamed tensors of a GGUF file (see
+    `Transformer.from_gguf`)."""
     path = pathlib.Path(path)
     where = f"from_gguf: {path}"
     reader = _open(path)
@@ -311,6 +303,4 @@ def load_gguf(
             if w.shape[0] == heads * config.head_dim:  # else the shape check names it
                 w = unpermute_rotary(w, heads)
         tensors[name] = w
-    return model_from_tensors(
-        cls, config, tensors, dtype=dtype, backend=backend, where=where, label=_label
-    )
+    return Checkpoint(config, tensors, where, _label)

@@ -10,7 +10,7 @@ import pathlib
 import re
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import equinox as eqx
 import jax
@@ -138,14 +138,19 @@ def _weight_files(path: pathlib.Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def load_pretrained(
-    cls: type[Transformer],
-    path: str | pathlib.Path,
-    *,
-    dtype=None,
-    backend: AttentionName | AttentionBackend = "energy",
-) -> Transformer:
-    """See `Transformer.from_pretrained`."""
+class Checkpoint(NamedTuple):
+    """What a checkpoint file holds, read: the configuration, the tensors under their Hugging
+    Face names, and how errors name the file (`where`) and a tensor (`label(name)`)."""
+
+    config: LlamaConfig
+    tensors: dict[str, np.ndarray]
+    where: str = "from_pretrained"
+    label: Callable[[str], str] = str
+
+
+def read_pretrained(path: str | pathlib.Path) -> Checkpoint:
+    """`config.json` and the safetensors weights of a Hugging Face checkpoint folder (see
+    `Transformer.from_pretrained`)."""
     from safetensors.numpy import load_file
 
     path = pathlib.Path(path)
@@ -155,22 +160,20 @@ def load_pretrained(
         if not (path / f).exists():
             raise ValueError(f"from_pretrained: {path / f} is missing")
         tensors.update(load_file(str(path / f)))
-    return model_from_tensors(cls, config, tensors, dtype=dtype, backend=backend)
+    return Checkpoint(config, tensors)
 
 
 def model_from_tensors(
     cls: type[Transformer],
-    config: LlamaConfig,
-    tensors: dict[str, np.ndarray],
+    checkpoint: Checkpoint,
     *,
     dtype=None,
-    backend: str | AttentionBackend = "energy",
-    where: str = "from_pretrained",
-    label: Callable[[str], str] = str,
+    backend: AttentionName | AttentionBackend = "energy",
 ) -> Transformer:
-    """A `cls(config)` whose parameters are `tensors`, keyed by their Hugging Face names (any
-    format's loader ends here). Missing, unexpected or mis-shaped tensors raise a `ValueError`
-    that starts with `where` and names each tensor as `label(name)`."""
+    """A `cls(config)` whose parameters are the checkpoint's tensors (every format's loader
+    ends here). Missing, unexpected or mis-shaped tensors raise a `ValueError` that starts with
+    the checkpoint's `where` and names each tensor by its `label`."""
+    config, tensors, where, label = checkpoint
     tensors = dict(tensors)
     if config.tie_word_embeddings:  # some writers keep the tied copy as well
         tensors.pop("lm_head.weight", None)

@@ -13,12 +13,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._numerics import Layout
 from ..decode import AttentionBackend, AttentionName
-from ..energy import Energy, LinearKernel, is_plain_softmax
+from ..energy import Energy, is_plain_softmax
 from ._attention import MultiheadAttention
-from ._cache import Cache, KVCache, LinearCache, remember, reserve
+from ._cache import Cache, remember, reserve
 from ._config import LlamaConfig
-from ._gguf import load_gguf
-from ._hf import load_pretrained, save_pretrained
+from ._gguf import read_gguf
+from ._hf import model_from_tensors, read_pretrained, save_pretrained
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
 
 
@@ -158,46 +158,10 @@ class Transformer(eqx.Module):
         ordered monoid, one contiguous block per shard: see `KVCache.create`). `layout`
         defaults to what the model's backend and energy read without a copy
         (`treeattn.decode.cache_layout`)."""
-        c = self.config
-        assert c.head_dim is not None and c.num_key_value_heads is not None  # resolved
-        dtype = dtype or self.embed_tokens.weight.dtype
-        attn = self.block(0).self_attn
-        if linear_state is None:
-            linear_state = attn.uses_linear_state
-        if linear_state:
-            if not attn.uses_linear_state:
-                raise ValueError(
-                    "Transformer.init_cache: linear_state=True needs energy=LinearKernel(...) "
-                    f"and no sliding window, got energy={type(self.energy).__name__} and "
-                    f"sliding_window={c.sliding_window}"
-                )
-            assert isinstance(attn.energy, LinearKernel)
-            return LinearCache.create(
-                c.num_key_value_heads,
-                max_len,
-                c.head_dim,
-                layers=c.num_hidden_layers,
-                energy=attn.energy,
-                dtype=dtype,
-            )
-        if mesh is None and kv_axis is None and self.backend.sharded:
-            mesh, kv_axis = self.backend.mesh, self.backend.kv_axis
-        if block is None:
-            # Round-robin blocks of 16 fill the shards evenly; an ordered energy folds the
-            # shards in position order, so each holds one contiguous range instead.
-            ordered = attn.energy is not None and not attn.energy.monoid.commutative
-            block = None if ordered else 16
-        return KVCache.create(
-            c.num_key_value_heads,
-            max_len,
-            c.head_dim,
-            layers=c.num_hidden_layers,
-            dtype=dtype,
-            mesh=mesh,
-            kv_axis=kv_axis,
-            block=block,
-            layout=attn.cache_layout(dtype) if layout is None else layout,
-        )
+        kw = dict(locals(), layers=self.config.num_hidden_layers)
+        del kw["self"]
+        kw["dtype"] = dtype or self.embed_tokens.weight.dtype
+        return self.block(0).self_attn.init_cache(**kw)
 
     @property
     def backend(self) -> AttentionBackend:
@@ -359,7 +323,7 @@ class Transformer(eqx.Module):
         """
         if pathlib.Path(path).suffix.lower() == ".gguf":
             return cls.from_gguf(path, dtype=dtype, backend=backend)
-        return load_pretrained(cls, path, dtype=dtype, backend=backend)
+        return model_from_tensors(cls, read_pretrained(path), dtype=dtype, backend=backend)
 
     @classmethod
     def from_gguf(
@@ -404,7 +368,7 @@ class Transformer(eqx.Module):
         model = Transformer.from_gguf(treeattn.pretrained.smollm2_gguf())
         ```
         """
-        return load_gguf(cls, path, dtype=dtype, backend=backend)
+        return model_from_tensors(cls, read_gguf(path), dtype=dtype, backend=backend)
 
     def save_pretrained(self, path: str | pathlib.Path) -> None:
         """Write `config.json` and `model.safetensors` in the Hugging Face format of the
