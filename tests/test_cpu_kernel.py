@@ -1,4 +1,4 @@
-"""The cpu kernel's register tiles (`treeattn/decode/_cpu_kernel.cc`) against float64 NumPy.
+"""The cpu kernel's register tiles (`treeattn/_cpu_kernel.cc`) against float64 NumPy.
 
 Head dims that are a multiple of the vector width (16 floats with AVX-512, 8 with AVX2, 4
 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2, keys 4 at a

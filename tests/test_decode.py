@@ -400,7 +400,7 @@ def test_kv_positions_out_of_order_cache(p, getkey):
 
 def test_cpu_kernel_without_a_compiler(monkeypatch, tmp_path):
     """Without a C++ compiler the build says what to do (set $CXX or install one)."""
-    from treeattn.decode import _native
+    from treeattn import _native
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -410,7 +410,7 @@ def test_cpu_kernel_without_a_compiler(monkeypatch, tmp_path):
 
 def test_cpu_kernel_cache_is_reused(monkeypatch, tmp_path):
     """The kernel is built once per (source, jax, compiler, flags, CPU) into the cache dir."""
-    from treeattn.decode import _native
+    from treeattn import _native
 
     monkeypatch.setenv("TREEATTN_CACHE_DIR", str(tmp_path))
     first = _native._build()

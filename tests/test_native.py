@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_decode import check, np_decode
 
-from treeattn.decode import _native
+from treeattn import _native
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def test_concurrent_first_use(tmp_path):
     all load the C++ kernel: one builds, the others wait for it."""
     env = {k: v for k, v in os.environ.items() if k not in ("CXX", "TREEATTN_BUILD_TIMEOUT")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TREEATTN_CACHE_DIR=str(tmp_path))
-    code = "from treeattn.decode import _native; print(_native.load_kernel())"
+    code = "from treeattn import _native; print(_native.load_kernel())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(3)

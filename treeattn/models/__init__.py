@@ -7,6 +7,7 @@ from ._attention import MultiheadAttention as MultiheadAttention
 from ._cache import KVCache as KVCache, LinearCache as LinearCache
 from ._config import LlamaConfig as LlamaConfig
 from ._generate import (
+    Decoder as Decoder,
     decode_step as decode_step,
     generate as generate,
     prefill as prefill,

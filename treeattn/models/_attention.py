@@ -250,8 +250,8 @@ class MultiheadAttention(eqx.Module):
             k_pos = jnp.arange(kv_seq, dtype=jnp.int32)
             q_offset = kv_seq - q_seq
         else:
-            k_pos = cache.length + jnp.arange(kv_seq, dtype=jnp.int32)
-            q_offset = cache.length
+            q_offset = jnp.asarray(cache.length)
+            k_pos = q_offset + jnp.arange(kv_seq, dtype=jnp.int32)
         q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
         if self.rotary is not None:
             q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
@@ -404,7 +404,7 @@ class MultiheadAttention(eqx.Module):
                 "layer's energy (create it with energy=layer.energy)"
             )
         n = k.shape[0]
-        absorbed = cache.length + jnp.arange(n, dtype=jnp.int32) < cache.stop
+        absorbed = jnp.asarray(cache.length) + jnp.arange(n, dtype=jnp.int32) < cache.stop
         if self.causal:
             if q.shape[0] != n:
                 raise ValueError(

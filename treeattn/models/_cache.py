@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -63,10 +62,14 @@ class KVCache(eqx.Module):
 
     k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, ...], ...]
     v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, ...], ...]
-    length: Int[Array, "*batch"]
+    length: Int[Array, "*batch"] | Int[np.ndarray, "*batch"]
     sharding: SequenceSharding | None = eqx.field(static=True, default=None)
     block: int = eqx.field(static=True, default=1)
     layout: Layout = eqx.field(static=True, default="bhsd")
+    checked: bool = eqx.field(static=True, default=False)
+    """The next append is known to fit (the host or the model checked it once for every
+    layer): the append itself does not check again, which keeps a check per layer off a
+    decode step."""
 
     @classmethod
     def create(
@@ -131,8 +134,7 @@ class KVCache(eqx.Module):
         else:
             k = tuple(buffer(qk) for _ in range(layers))
             v = tuple(buffer(vo) for _ in range(layers))
-        length = jnp.zeros(rows, jnp.int32)
-        _remember(length, 0)
+        length = np.zeros(rows, np.int32)  # held on the host (see `held`)
         return cls(k=k, v=v, length=length, sharding=sharding, block=block, layout=layout)
 
     @property
@@ -180,7 +182,17 @@ class KVCache(eqx.Module):
             )
         k = tuple(c.k for c in layers)
         v = tuple(c.v for c in layers)
-        return dataclasses.replace(self, k=k, v=v, length=layers[-1].length)
+        return dataclasses.replace(self, k=k, v=v, length=layers[-1].length, checked=False)
+
+    def check(self, n: int) -> KVCache:
+        """The cache with its next append of `n` tokens checked once, for every layer: on one
+        device an overflow raises when the program runs (`equinox.error_if`); a sharded cache
+        cannot raise (see "Overflow") and is not checked."""
+        length = self.length
+        if self.devices == 1 and not self.checked:
+            overflow = length + n > self.max_len
+            length = eqx.error_if(length, overflow, _overflow_message(n, None, self.max_len))
+        return dataclasses.replace(self, length=length, checked=True)
 
     def slots(self, positions: Int[Array, " n"]) -> Int[Array, " n"]:
         """The slot holding each token position."""
@@ -268,7 +280,9 @@ class KVCache(eqx.Module):
             k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # the new tokens only
         k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
         if self.devices == 1:
-            length = eqx.error_if(self.length, overflow, _overflow_message(n, None, self.max_len))
+            length = jnp.asarray(self.length)
+            if not self.checked:
+                length = eqx.error_if(length, overflow, _overflow_message(n, None, self.max_len))
             # The new tokens take consecutive slots: a slice update, in place when the cache
             # is donated or carried by a loop, and under vmap too (see `write_at`).
             new_k = write_at(self.k, k, length, axis)
@@ -277,7 +291,7 @@ class KVCache(eqx.Module):
             # A scatter that drops out-of-bounds slots (the overflow): each device writes the
             # tokens that fall in its shard, in place. (Reading back a slot's old value with a
             # dynamic slice instead made XLA all-gather the sharded cache on every step.)
-            slots = self.slots(self.length + jnp.arange(n, dtype=jnp.int32))
+            slots = self.slots(jnp.asarray(self.length) + jnp.arange(n, dtype=jnp.int32))
             slots = jnp.where(overflow, self.max_len, slots)  # out of bounds: dropped
             new_k = _scatter_slots(self.k, slots, k, self.layout)
             new_v = _scatter_slots(self.v, slots, v, self.layout)
@@ -401,8 +415,8 @@ class LinearCache(eqx.Module):
     """
 
     state: LinearState | tuple[LinearState, ...]
-    length: Int[Array, "*batch"]
-    stop: Int[Array, "*batch"]
+    length: Int[Array, "*batch"] | Int[np.ndarray, "*batch"]
+    stop: Int[Array, "*batch"] | Int[np.ndarray, "*batch"]
     max_len: int = eqx.field(static=True)
 
     @classmethod
@@ -436,9 +450,8 @@ class LinearCache(eqx.Module):
 
         state = one() if layers is None else tuple(one() for _ in range(layers))
         rows = () if batch is None else (batch,)
-        length = jnp.zeros(rows, jnp.int32)
-        _remember(length, 0)
-        stop = jnp.full(rows, NO_STOP, jnp.int32)
+        length = np.zeros(rows, np.int32)  # held on the host (see `held`)
+        stop = np.full(rows, NO_STOP, np.int32)
         return cls(state=state, length=length, stop=stop, max_len=max_len)
 
     @property
@@ -502,45 +515,41 @@ def _overflow_message(n: int, length: int | None, max_len: int) -> str:
     )
 
 
-# What the host knows of the lengths of concrete caches, keyed by the identity of their
-# `length` array: a cache made by `create`, or returned by `prefill` / `decode_step`, has a
-# known length without a device-to-host copy (which would wait for the step to finish and
-# stall the asynchronous decode loop by about a millisecond per token).
-_KNOWN: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _remember(length: Array, value: int) -> None:
-    if isinstance(length, Tracer):
-        return
-    key = id(length)
-    _KNOWN[key] = (weakref.ref(length, lambda _: _KNOWN.pop(key, None)), value)
-
-
-def reserve(cache: Cache, n: int) -> int | None:
-    """Check on the host that `n` more tokens fit into `cache`; the length they will bring
-    it to, or `None` for a traced cache (checked in the program instead)."""
-    if n > cache.max_len:
-        raise ValueError(_overflow_message(n, None, cache.max_len))
+def held(cache: Cache) -> np.ndarray | None:
+    """The cache's length `[*batch]` on the host, or None when it is traced (then the program
+    checks it). A length the host holds (NumPy: a cache made by `create`, or returned by
+    `prefill`, `decode_step` or a `Decoder`) is read as it is; a device length is read from the
+    device (which waits for the program computing it)."""
     length = cache.length
     if isinstance(length, Tracer):
         return None
-    known = _KNOWN.get(id(length))
-    if known is not None and known[0]() is length:
-        held = known[1]
-    else:
+    if not isinstance(length, np.ndarray | np.generic):
         # Replicated: any one copy will do (in a multi-process run not every copy is local).
-        addressable = getattr(length, "is_fully_addressable", True)
-        local = length if addressable else length.addressable_data(0)
-        held = int(np.max(np.asarray(local))) if length.size else 0
-    if held + n > cache.max_len:
-        raise ValueError(_overflow_message(n, held, cache.max_len))
-    return held + n
+        if not getattr(length, "is_fully_addressable", True):
+            length = length.addressable_data(0)
+    return np.asarray(length, np.int32)
 
 
-def remember(cache: Cache, length: int | None) -> None:
-    """Record the length `reserve` promised for the cache a call returned."""
-    if length is not None:
-        _remember(cache.length, length)
+def reserve(cache: Cache, n: int) -> np.ndarray | None:
+    """Check on the host that `n` more tokens fit into `cache`; the lengths they will bring
+    it to (host), or None for a traced cache (checked in the program instead)."""
+    if n > cache.max_len:
+        raise ValueError(_overflow_message(n, None, cache.max_len))
+    length = held(cache)
+    if length is None:
+        return None
+    most = int(np.max(length)) if length.size else 0
+    if most + n > cache.max_len:
+        raise ValueError(_overflow_message(n, most, cache.max_len))
+    return length + np.int32(n)
+
+
+def on_host(cache: Cache, length: np.ndarray | None) -> Cache:
+    """`cache` with its length held on the host (when known), so the next call checks it
+    without waiting for the device."""
+    if length is None:
+        return cache
+    return dataclasses.replace(cache, length=np.asarray(length, np.int32))
 
 
 def empty_rows(template: Cache, batch: int) -> Cache:
@@ -578,7 +587,6 @@ def _linear_rows(template: LinearCache, batch: int) -> LinearCache:
 
     layers = template.layers
     states = state() if layers is None else tuple(state() for _ in range(layers))
-    length = jnp.zeros((batch,), jnp.int32)
-    _remember(length, 0)
-    stop = jnp.full((batch,), NO_STOP, jnp.int32)
+    length = np.zeros((batch,), np.int32)
+    stop = np.full((batch,), NO_STOP, np.int32)
     return LinearCache(state=states, length=length, stop=stop, max_len=template.max_len)

@@ -1,8 +1,13 @@
-"""Prefill, one decode step, and generation loops over a KV cache."""
+"""Decoding: a `Decoder` that owns a model's prepared weights, its KV cache and the cache's
+length on the host; and `prefill`, `decode_step` and `generate`, built on the same programs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import equinox as eqx
 import jax
@@ -11,8 +16,306 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..decode import AttentionBackend, AttentionName
-from ._cache import Cache, after_prompts, empty_rows, prompt_padding, remember, reserve
-from ._llama import Transformer, check_token_ids, check_token_type
+from ._cache import (
+    Cache,
+    KVCache,
+    _overflow_message,
+    after_prompts,
+    empty_rows,
+    held,
+    on_host,
+    prompt_padding,
+    reserve,
+)
+from ._checks import check_token_ids, check_token_type
+
+
+if TYPE_CHECKING:
+    from ._llama import Transformer
+
+
+# ---------------------------------------------------------------------------------------------
+# A model as decoding reads it
+# ---------------------------------------------------------------------------------------------
+
+
+class Prepared:
+    """A model as decoding reads it, made once per model: every layer with arrays of its own
+    (a stacked layer is copied here, once, never per step: XLA materialises a slice of a
+    stacked weight before a product reads it), its parameters flattened once, and the compiled
+    programs that run it (their static part is closed over, so a call hashes nothing)."""
+
+    def __init__(self, model: Transformer):
+        model = model.unstack_layers()
+        params, self.static = eqx.partition(model, eqx.is_array)
+        self.leaves, self.treedef = jax.tree.flatten(params)
+        self.config = model.config
+        self.backend = model.backend
+        self.energy = model.energy
+        self._model = model
+        self._programs: dict[Any, Callable] = {}
+
+    @property
+    def model(self) -> Transformer:
+        return self._model
+
+    def program(self, kind: str, backend: AttentionBackend, **options) -> Callable:
+        """The compiled program `kind` (`"forward"` or `"generate"`) on `backend`, made once."""
+        key = (kind, backend, tuple(sorted(options.items())))
+        if key not in self._programs:
+            build = _forward if kind == "forward" else _generate_loop
+            self._programs[key] = build(self, backend, **options)
+        return self._programs[key]
+
+    def combine(self, leaves) -> Transformer:
+        return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
+
+
+_PREPARED: dict[int, tuple[weakref.ref, Prepared]] = {}
+
+
+def prepared(model: Transformer | Prepared) -> Prepared:
+    """`model` prepared for decoding, once per model object (a new object, e.g. after
+    `eqx.tree_at`, is prepared anew)."""
+    if isinstance(model, Prepared):
+        return model
+    key = id(model)
+    known = _PREPARED.get(key)
+    if known is not None and known[0]() is model:
+        return known[1]
+    result = Prepared(model)
+    _PREPARED[key] = (weakref.ref(model, lambda _: _PREPARED.pop(key, None)), result)
+    return result
+
+
+def _host_checked(cache: Cache) -> Cache:
+    """The cache as the programs take it: its next append checked on the host (no check in the
+    program), its length on the device like every other input."""
+    checked = {"checked": True} if isinstance(cache, KVCache) else {}
+    return dataclasses.replace(cache, length=jnp.asarray(cache.length), **checked)
+
+
+def _forward(
+    prep: Prepared, backend: AttentionBackend, *, cache_def, rows: bool, keep: int, step: bool
+) -> Callable:
+    """`(leaves, tokens, cache_leaves) -> (logits, cache_leaves)`: the model over `tokens`
+    after the cache (`cache_def` with `cache_leaves`, which are donated: updated in place);
+    every row of a batch under `vmap` when `rows`. `keep`: `logits_to_keep`; `step`: one token
+    (per row) in, the logits of the next out. The host checked that the tokens fit, so the
+    program checks nothing. The cache goes in and out as a flat list: a call builds no Python
+    object of it."""
+
+    def run(leaves, tokens, cache_leaves):
+        model = prep.combine(leaves)
+        cache = _keep_checked(jax.tree.unflatten(cache_def, cache_leaves))
+
+        def one(tokens, cache):
+            if step:
+                logits, cache = model(tokens[None], cache, backend=backend)
+                return logits[0], cache
+            return model(tokens, cache, backend=backend, logits_to_keep=keep)
+
+        logits, cache = jax.vmap(one)(tokens, cache) if rows else one(tokens, cache)
+        return logits, jax.tree.leaves(cache)
+
+    return jax.jit(run, donate_argnums=(2,))
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder
+# ---------------------------------------------------------------------------------------------
+
+
+class Decoder:
+    r"""A model ready to decode: its weights prepared once, its KV cache, and the cache's length
+    on the host.
+
+    Made by [`Transformer.decoder`][treeattn.models.Transformer.decoder]. Every layer reads its
+    own arrays (a model stored stacked, as constructed, loaded or trained, is copied once here,
+    never per step), every step reads each weight and each cached key and value once and writes
+    the new token's keys and values in place, and the host knows the cache's length, so a
+    step that would overflow it is refused before it runs and the program itself checks
+    nothing. Calls compile once per shape.
+
+    ```python
+    decoder = model.decoder(max_len=256)
+    logits = decoder.prefill(prompt, logits_to_keep=1)      # [1, vocab]
+    token = jnp.argmax(logits[-1])
+    for _ in range(20):
+        token = jnp.argmax(decoder.step(token))            # [vocab] -> the next token
+    tokens = decoder.generate(prompt2, max_new_tokens=20)   # continues after what it holds
+    ```
+
+    **Attributes:** `cache` (the current cache), `length` (the tokens it holds, on the host:
+    an int, or `[batch]`), `max_len`, `batch` (None: one sequence), `backend`.
+    """
+
+    def __init__(
+        self,
+        model: Transformer | Prepared,
+        *,
+        max_len: int,
+        batch: int | None = None,
+        backend: AttentionName | AttentionBackend | None = None,
+        mesh=None,
+        kv_axis=None,
+        dtype=None,
+        layout=None,
+        block: int | None = None,
+    ):
+        prep = prepared(model)
+        if backend is None and (mesh is not None or kv_axis is not None):
+            raise ValueError("Decoder: mesh= and kv_axis= go with backend='tree' or 'ring'")
+        be = prep.backend if backend is None else AttentionBackend.of(backend, mesh, kv_axis)
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"Decoder: max_len must be a positive int, got {max_len!r}")
+        if batch is not None and (not isinstance(batch, int) or batch < 1):
+            raise ValueError(f"Decoder: batch must be None or a positive int, got {batch!r}")
+        self._prep = prep
+        self.backend = be
+        self.batch = batch
+        attn = prep.model.block(0).self_attn
+        kw = dict(mesh=be.mesh, kv_axis=be.kv_axis, dtype=dtype, block=block)
+        kw["layout"] = attn.cache_layout(dtype, backend=be) if layout is None else layout
+        init = functools.partial(prep.model.init_cache, max_len, **kw)
+        # Allocated where it lives (shard by shard, row by row), nothing of it read or copied.
+        cache = init() if batch is None else empty_rows(jax.eval_shape(init), batch)
+        self.max_len = cache.max_len
+        self._set(cache)
+
+    def _set(self, cache: Cache) -> None:
+        """Hold `cache` as the programs take it: a flat list of device arrays (its length among
+        them), and the length apart, on the host."""
+        length = held(cache)
+        assert length is not None
+        self._length = length
+        device = dataclasses.replace(cache, length=jnp.asarray(cache.length))
+        self._leaves, self._cache_def = jax.tree.flatten(device)
+
+    @property
+    def cache(self) -> Cache:
+        """The cache as it stands (its length on the host)."""
+        return on_host(jax.tree.unflatten(self._cache_def, self._leaves), self._length)
+
+    @property
+    def length(self) -> int | np.ndarray:
+        """The tokens the cache holds (host): an int, or one per row `[batch]`."""
+        return int(self._length) if self.batch is None else self._length.copy()
+
+    def reset(self) -> None:
+        """Forget every token: the cache is empty again (its buffers are reused)."""
+        rows = () if self.batch is None else (self.batch,)
+        self._set(dataclasses.replace(self.cache, length=np.zeros(rows, np.int32)))
+
+    def _tokens(self, name: str, tokens, ndim: int) -> Array:
+        ndim += self.batch is not None
+        tokens = tokens if hasattr(tokens, "ndim") else jnp.asarray(tokens)
+        check_token_type(f"Decoder.{name}", tokens, self._prep.config.vocab_size, ndim=ndim)
+        if self.batch is not None and tokens.shape[0] != self.batch:
+            raise ValueError(
+                f"Decoder.{name}: tokens must have a leading batch axis of {self.batch} rows, "
+                f"got shape {tokens.shape}"
+            )
+        return tokens
+
+    def _run(self, tokens, n: int, keep: int, step: bool):
+        most = int(np.max(self._length)) if self._length.size else 0
+        if most + n > self.max_len:
+            raise ValueError(_overflow_message(n, most, self.max_len))
+        run = self._prep.program(
+            "forward",
+            self.backend,
+            cache_def=self._cache_def,
+            rows=self.batch is not None,
+            keep=keep,
+            step=step,
+        )
+        logits, self._leaves = run(self._prep.leaves, tokens, self._leaves)
+        self._length = self._length + np.int32(n)
+        return logits
+
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"] | Int[Array, "batch seq"],
+        *,
+        logits_to_keep: int = 0,
+    ) -> Float[Array, "keep vocab"] | Float[Array, "batch keep vocab"]:
+        """Run `tokens` after what the cache holds; return their logits (`logits_to_keep` as
+        in `Transformer`: 0 every position, `k` the last `k`). Concrete ids outside
+        `[0, vocab_size)` and tokens that would not fit raise a `ValueError` before anything
+        runs."""
+        tokens = self._tokens("prefill", tokens, 1)
+        check_token_ids("Decoder.prefill", tokens, self._prep.config.vocab_size)
+        return self._run(tokens, tokens.shape[-1], logits_to_keep, step=False)
+
+    def step(
+        self, token: Int[Array, ""] | Int[Array, " batch"]
+    ) -> Float[Array, " vocab"] | Float[Array, "batch vocab"]:
+        """One token in (one per row), next-token logits out. The id is not checked, so that a
+        token sampled on the device need not reach the host; an id outside
+        `[0, vocab_size)` reads a clamped embedding row (see `Transformer`)."""
+        return self._run(self._tokens("step", token, 0), 1, 0, step=True)
+
+    def generate(
+        self,
+        prompt: Int[Array, " prompt"] | Int[Array, "batch prompt"],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        key: PRNGKeyArray | None = None,
+        attention_mask: Array | None = None,
+    ) -> Int[Array, " total"] | Int[Array, "batch total"]:
+        """`max_new_tokens` after `prompt`, appended to what the cache holds: one compiled
+        program for the prompt and every step (see `treeattn.models.generate`, whose
+        arguments these are). The cache then holds the prompt and every new token but the
+        last (sampled, not run), and decoding can continue with `step`.
+
+        **Returns:** the prompt (as given) followed by the new tokens."""
+        prep, vocab = self._prep, self._prep.config.vocab_size
+        _check_sampling("generate", temperature, top_k, vocab)
+        if temperature != 0.0 and key is None:
+            raise ValueError("generate: sampling (temperature > 0) needs key=")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be at least 1, got {max_new_tokens}")
+        prompt = self._tokens("generate", prompt, 1)
+        if prompt.shape[-1] == 0:
+            raise ValueError(f"generate: the prompt is empty (shape {prompt.shape})")
+        check_token_ids("generate", prompt, vocab)
+        prompts = prompt if self.batch is not None else prompt[None]
+        mask = _prompt_mask(attention_mask, prompt.shape)
+        n = prompts.shape[1] + max_new_tokens - 1  # the last token is sampled, not run
+        before = self._length
+        most = int(np.max(before))
+        if most + n > self.max_len:
+            holds = f" after the {most} it holds" if most else ""
+            raise ValueError(
+                f"generate: a prompt of {prompts.shape[1]} token(s) and "
+                f"max_new_tokens={max_new_tokens} need a cache of {most + n} tokens{holds}, "
+                f"more than max_len={self.max_len}"
+            )
+        rows = prompts.shape[0]
+        keys = jax.random.split(key, rows) if key is not None else jnp.zeros((rows,), jnp.uint32)
+        run = prep.program(
+            "generate",
+            self.backend,
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_k=top_k,
+            rows=self.batch is not None,
+        )
+        out, cache = run(prep.leaves, prompts, mask, _host_checked(self.cache), keys)
+        # The host knows what each row now holds without waiting for the loop.
+        added = np.full((rows,), prompts.shape[1]) if mask is None else np.sum(mask, axis=1)
+        added = added if self.batch is not None else added[0]
+        self._leaves = jax.tree.leaves(cache)
+        self._length = (before + added + max_new_tokens - 1).astype(np.int32)
+        return out if self.batch is not None else out[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The functional calls
+# ---------------------------------------------------------------------------------------------
 
 
 def prefill(
@@ -24,8 +327,10 @@ def prefill(
 ) -> tuple[Float[Array, "seq vocab"], Cache]:
     """Run `tokens` after what `cache` holds; return their logits and the updated cache.
 
-    The cache passed in is donated (its buffers are updated in place and become the returned
-    cache's): use the returned one from then on.
+    The model's weights are prepared for decoding once per model (see `Decoder`), whether its
+    layers are stacked or not. The cache passed in is donated (its buffers are updated in place
+    and become the returned cache's): use the returned one from then on; it holds its length on
+    the host, so the next call checks it without waiting for the device.
 
     Raises a `ValueError` before running if the tokens are not integers, if a concrete
     `tokens` holds ids outside `[0, vocab_size)`, or if they do not fit into the cache (see
@@ -33,10 +338,7 @@ def prefill(
     """
     check_token_type("prefill", tokens, model.config.vocab_size, ndim=1)
     check_token_ids("prefill", tokens, model.config.vocab_size)
-    length = reserve(cache, tokens.shape[0])
-    logits, cache = _prefill(model, tokens, cache, backend=backend)
-    remember(cache, length)
-    return logits, cache
+    return _call(model, tokens, cache, backend)
 
 
 def decode_step(
@@ -50,38 +352,28 @@ def decode_step(
 
     The step reads each weight and each cached key and value once and writes only the new
     token's keys and values, in place: the cache passed in is donated (use the returned one).
-    For a model whose layers are stacked (as loaded or trained), unstack them once first,
-    `model = model.unstack_layers()`: a stacked model's weights are copied layer by layer on
-    every step.
+    The model's weights are prepared for decoding once per model (a stacked model is unstacked
+    once, not per step; see `Decoder`, which also owns the cache).
 
     A full cache raises a `ValueError` before running (see `KVCache`, "Overflow"). The token
     id's value is not checked, so that a token sampled on the device need not be copied to the
     host; an id outside `[0, vocab_size)` reads a clamped embedding row (see `Transformer`).
     """
     check_token_type("decode_step", token, model.config.vocab_size, ndim=0)
-    length = reserve(cache, 1)
-    logits, cache = _decode_step(model, token, cache, backend=backend)
-    remember(cache, length)
-    return logits, cache
-
-
-def _prefill(model, tokens, cache, *, backend):
-    params, static = eqx.partition(model, eqx.is_array)
-    return _run(params, static, tokens, cache, backend=backend)
-
-
-def _decode_step(model, token, cache, *, backend):
-    params, static = eqx.partition(model, eqx.is_array)
-    logits, cache = _run(params, static, token[None], cache, backend=backend)
+    logits, cache = _call(model, token[None], cache, backend)
     return logits[0], cache
 
 
-# The cache is donated: each layer writes its new keys and values into the buffers it was
-# given, and the step holds no copy of any layer's cache (checked from the compiled HLO in
-# tests/test_model_decode.py).
-@functools.partial(jax.jit, static_argnames=("static", "backend"), donate_argnames=("cache",))
-def _run(params, static, tokens, cache, *, backend):
-    return eqx.combine(params, static)(tokens, cache, backend=backend)
+def _call(model, tokens, cache, backend):
+    prep = prepared(model)
+    be = prep.backend if backend is None else AttentionBackend.of(backend)
+    length = reserve(cache, tokens.shape[0])
+    if length is None:  # a traced cache: the model checks it in the program
+        return cast(tuple[Array, Cache], prep.model(tokens, cache, backend=be))
+    leaves, cache_def = jax.tree.flatten(_host_checked(cache))
+    run = prep.program("forward", be, cache_def=cache_def, rows=False, keep=0, step=False)
+    logits, leaves = run(prep.leaves, tokens, leaves)
+    return logits, on_host(jax.tree.unflatten(cache_def, leaves), length)
 
 
 def sample(
@@ -125,7 +417,8 @@ def generate(
     over rows). `temperature=0` is greedy decoding; otherwise a `key` is needed. With
     `backend="tree"` (and `mesh`, `kv_axis`), the cache is sharded along the sequence over the
     mesh axis, tokens are appended round-robin so the shards fill evenly, and attention is
-    `tree_decode` (`"ring"`: `ring_decode`, the baseline).
+    `tree_decode` (`"ring"`: `ring_decode`, the baseline). This is `Decoder.generate` on a
+    decoder made for the call; the model's weights are prepared once per model, not per call.
 
     **Prompts of different lengths.** As with transformers, pad them to one length and pass
     `attention_mask` (`[batch, prompt]`, 1 or True for a prompt token, 0 for padding, on
@@ -144,10 +437,6 @@ def generate(
     """
     vocab = model.config.vocab_size
     _check_sampling("generate", temperature, top_k, vocab)
-    if temperature != 0.0 and key is None:
-        raise ValueError("generate: sampling (temperature > 0) needs key=")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be at least 1, got {max_new_tokens}")
     if backend is None and (mesh is not None or kv_axis is not None):
         raise ValueError("generate: mesh= and kv_axis= go with backend='tree'")
     if not hasattr(prompt, "ndim"):
@@ -159,72 +448,36 @@ def generate(
     check_token_type("generate", prompt, vocab, ndim=prompt.ndim)
     if prompt.shape[-1] == 0 or prompt.size == 0:
         raise ValueError(f"generate: the prompt is empty (shape {prompt.shape})")
-    check_token_ids("generate", prompt, vocab)
-    be = model.backend if backend is None else AttentionBackend.of(backend, mesh, kv_axis)
-    batched = prompt.ndim == 2
-    prompts = prompt if batched else prompt[None]
-    lengths = _prompt_lengths(attention_mask, prompts.shape)
-    n_prompt = prompts.shape[1]
-    total = n_prompt + max_new_tokens
-    cache_mesh = be.mesh if be.sharded else None
-    cache_axis = be.kv_axis if be.sharded else None
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be at least 1, got {max_new_tokens}")
     if max_len is not None and max_len < 1:
         raise ValueError(f"generate: max_len must be at least 1, got {max_len}")
-    # The cache's shapes without allocating it; then one cache per row, allocated in place
-    # and donated to the loop, which updates it where it lies.
-    layout = model.block(0).self_attn.cache_layout(backend=be)
-    cache = jax.eval_shape(
-        lambda: model.init_cache(
-            max_len or total - 1, mesh=cache_mesh, kv_axis=cache_axis, layout=layout
-        )
-    )
-    if total - 1 > cache.max_len:
-        raise ValueError(
-            f"generate: a prompt of {n_prompt} token(s) and max_new_tokens={max_new_tokens} "
-            f"need a cache of {total - 1} tokens, more than max_len={max_len}"
-            + (f" (rounded up to {cache.max_len})" if cache.max_len != max_len else "")
-        )
-    keys = (
-        jax.random.split(key, prompts.shape[0])
-        if key is not None
-        else jnp.zeros((prompts.shape[0],), jnp.uint32)
-    )
-    # One set of arrays per layer: each weight read in place once per step (see
-    # `Transformer.unstack_layers`); the copy is made once per call.
-    params, static = eqx.partition(model.unstack_layers(), eqx.is_array)
-    cache = empty_rows(cache, prompts.shape[0])
-    out, _ = _generate_batch(
-        params,
-        static,
-        prompts,
-        lengths,
-        cache,
-        keys,
+    total = prompt.shape[-1] + max_new_tokens
+    batch = prompt.shape[0] if prompt.ndim == 2 else None
+    be = None if backend is None else AttentionBackend.of(backend, mesh, kv_axis)
+    decoder = Decoder(model, max_len=max_len or total - 1, batch=batch, backend=be)
+    return decoder.generate(
+        prompt,
         max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
+        temperature=temperature,
         top_k=top_k,
-        backend=be,
+        key=key,
+        attention_mask=attention_mask,
     )
-    return out if batched else out[0]
 
 
-def _prompt_lengths(mask, shape) -> Array | None:
-    """Per-row prompt lengths from a transformers-style attention mask (None: all full)."""
+def _prompt_mask(mask, shape) -> np.ndarray | None:
+    """A transformers-style attention mask as booleans `[batch, prompt]` (None: all full)."""
     if mask is None:
         return None
-    mask = jnp.asarray(mask)
-    batch = shape if len(mask.shape) == 2 else shape[1:]
-    if tuple(mask.shape) != tuple(batch):
+    mask = np.asarray(mask)
+    if tuple(mask.shape) != tuple(shape):
         raise ValueError(
-            f"generate: attention_mask must have the prompt's shape {tuple(batch)}, "
+            f"generate: attention_mask must have the prompt's shape {tuple(shape)}, "
             f"got {tuple(mask.shape)}"
         )
-    if mask.ndim == 1:
-        mask = mask[None]
-    if mask.dtype != jnp.bool_:
-        mask = mask != 0
-    lengths = jnp.sum(mask, axis=1, dtype=jnp.int32)
-    empty = np.flatnonzero(np.asarray(lengths) == 0)
+    mask = (mask != 0).reshape(-1, shape[-1])
+    empty = np.flatnonzero(~mask.any(axis=1))
     if empty.size:
         raise ValueError(f"generate: attention_mask rows {empty.tolist()} hold no prompt token")
     return mask
@@ -237,57 +490,79 @@ def _check_sampling(name: str, temperature: float, top_k: int | None, vocab: int
         raise ValueError(f"{name}: top_k must be in [1, vocab_size={vocab}], got {top_k}")
 
 
-# The settings are static (hashable) arguments: a second call with the same shapes and settings
-# reuses the compiled loop. The cache (one per row) is donated and returned: the loop updates
-# its buffers in place, and the program holds no copy of them (checked from the compiled HLO in
-# tests/test_model_decode.py).
-@functools.partial(
-    jax.jit,
-    static_argnames=("static", "max_new_tokens", "temperature", "top_k", "backend"),
-    donate_argnames=("cache",),
-)
-def _generate_batch(
-    params, static, prompts, mask, cache, keys, *, max_new_tokens, temperature, top_k, backend
-):
-    model = eqx.combine(params, static)
-    batch, n_prompt = prompts.shape
-    if mask is None:
-        tokens, lengths = prompts, jnp.full((batch,), n_prompt, jnp.int32)
-    else:
-        # Each row's prompt tokens moved to its front, in order (stable): position i of a row
-        # is its i-th prompt token, as transformers numbers them from the mask.
-        order = jnp.argsort(~mask, axis=1, stable=True)
-        tokens = jnp.take_along_axis(prompts, order, axis=1)
-        lengths = jnp.sum(mask, axis=1, dtype=jnp.int32)
-    forward = jax.vmap(lambda tokens, cache: model(tokens, cache, backend=backend))
+def _generate_loop(
+    prep: Prepared,
+    backend: AttentionBackend,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    rows: bool,
+) -> Callable:
+    """`(leaves, prompts, mask, cache, keys) -> (tokens, cache, lengths)`: the prompt of every
+    row prefilled after what its cache holds, then `max_new_tokens - 1` steps in one
+    `lax.scan`, every row at once under `vmap`. The cache (one per row) is donated: the loop
+    updates its buffers in place and holds no copy of them (checked from the compiled HLO in
+    tests/test_model_decode.py)."""
     sampling = temperature != 0.0
 
-    def pick(logits, i):
-        subs = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys) if sampling else None
-        draw = functools.partial(sample, temperature=temperature, top_k=top_k)
-        if subs is None:
-            return jax.vmap(lambda lg: draw(lg, None))(logits)
-        return jax.vmap(draw)(logits, subs)
+    def run(leaves, prompts, mask, cache, keys):
+        model = prep.combine(leaves)
+        if not rows:  # one sequence: a row of one (a unit axis, no copy of the cache)
+            cache = jax.tree.map(lambda x: x[None], cache)
+        batch, n_prompt = prompts.shape
+        start = cache.length
+        if mask is None:
+            tokens, lengths = prompts, jnp.full((batch,), n_prompt, jnp.int32)
+        else:
+            # Each row's prompt tokens moved to its front, in order (stable): position i of a
+            # row is its i-th prompt token, as transformers numbers them from the mask.
+            order = jnp.argsort(~mask, axis=1, stable=True)
+            tokens = jnp.take_along_axis(prompts, order, axis=1)
+            lengths = jnp.sum(mask, axis=1, dtype=jnp.int32)
+        forward = jax.vmap(lambda tokens, cache: model(tokens, cache, backend=backend))
 
-    def step(carry, i):
-        logits, cache = carry
-        token = pick(logits, i)
-        next_logits, cache = forward(token[:, None], cache)
-        return (next_logits[:, 0], cache), token
+        def pick(logits, i):
+            subs = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys) if sampling else None
+            draw = functools.partial(sample, temperature=temperature, top_k=top_k)
+            if subs is None:
+                return jax.vmap(lambda lg: draw(lg, None))(logits)
+            return jax.vmap(draw)(logits, subs)
 
-    # Only each row's last prompt token is sampled from: the prefill computes its logits alone.
-    prefill = jax.vmap(
-        lambda tokens, cache, last: model(tokens, cache, backend=backend, logits_to_keep=last[None])
-    )
-    padded = prompt_padding(cache, None if mask is None else lengths)
-    logits, cache = prefill(tokens, padded, lengths - 1)
-    # A shorter row's padding was run after its prompt; it is not counted: the row's next
-    # token overwrites it, and nothing attends to it before then (a linear state never
-    # absorbed it).
-    cache = after_prompts(cache, lengths)
-    first = logits[:, 0]
-    # The last token needs no forward pass of its own: scan one step fewer, then sample it.
-    (last, cache), new = jax.lax.scan(step, (first, cache), jnp.arange(max_new_tokens - 1))
-    final = pick(last, max_new_tokens - 1)
-    tokens = jnp.concatenate([prompts.astype(jnp.int32), new.T, final[:, None]], axis=1)
-    return tokens, cache
+        def step(carry, i):
+            logits, cache = carry
+            token = pick(logits, i)
+            next_logits, cache = forward(token[:, None], cache)
+            return (next_logits[:, 0], _keep_checked(cache)), token
+
+        # Only each row's last prompt token is sampled from: the prefill computes its logits
+        # alone.
+        prefill = jax.vmap(
+            lambda tokens, cache, last: model(
+                tokens, cache, backend=backend, logits_to_keep=last[None]
+            )
+        )
+        padded = prompt_padding(cache, None if mask is None else lengths)
+        logits, cache = prefill(tokens, padded, lengths - 1)
+        # A shorter row's padding was run after its prompt; it is not counted: the row's next
+        # token overwrites it, and nothing attends to it before then (a linear state never
+        # absorbed it).
+        cache = _keep_checked(after_prompts(cache, start + lengths))
+        first = logits[:, 0]
+        # The last token needs no forward pass of its own: scan one step fewer, then sample it.
+        (last, cache), new = jax.lax.scan(step, (first, cache), jnp.arange(max_new_tokens - 1))
+        final = pick(last, max_new_tokens - 1)
+        out = jnp.concatenate([prompts.astype(jnp.int32), new.T, final[:, None]], axis=1)
+        if not rows:
+            cache = jax.tree.map(lambda x: x[0], cache)
+        return out, cache
+
+    return jax.jit(run, donate_argnums=(3,))
+
+
+def _keep_checked(cache: Cache) -> Cache:
+    """Inside the generation loop, whose length the host checked before it ran: the model's
+    appends need no check of their own."""
+    if isinstance(cache, KVCache):
+        return dataclasses.replace(cache, checked=True)
+    return cache

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._native import MATMUL_TARGET, load_kernel
+
 
 def _dot(x, w):
     """`x @ w.T` for a weight `w[out, in]` (Equinox's layout), contracted in place: a transposed
@@ -21,6 +23,33 @@ def _dot(x, w):
         y = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
     return jax.lax.dot_general(x, w, dims)
+
+
+def _native(x, w):
+    """`_dot` by treeattn's C++ product for XLA:CPU (`treeattn/_cpu_kernel.cc`): each thread
+    streams its share of the weight's rows once against every row of `x`, at memory speed,
+    float32 sums for bfloat16."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), x.dtype)
+    y = jax.ffi.ffi_call(MATMUL_TARGET, out)(rows, w)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+# The row counts for which the C++ product streams a weight faster than XLA:CPU's dot (whose
+# few-row products run below memory speed, and in bfloat16 far below:
+# benchmarks/generate.py --products); more rows are a matrix product XLA does well.
+NATIVE_ROWS = range(1, 33)
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _dot_rows(x, w):
+    """`_dot` over all the leading axes of `x` as rows: on XLA:CPU, 1 to 32 rows of float32 or
+    bfloat16 by treeattn's C++ product (`_native`) when it is built; else `_xla_rows`."""
+    rows = math.prod(x.shape[:-1])
+    native = rows in NATIVE_ROWS and x.dtype == w.dtype and x.dtype in NATIVE_DTYPES
+    if native and load_kernel() is None:
+        return jax.lax.platform_dependent(x, w, cpu=_native, default=_dot)
+    return _xla_rows(x, w)
 
 
 def _dot_columns(x, w):
@@ -39,11 +68,12 @@ def _dot_columns(x, w):
 _FEW_ROWS = range(2, 33)
 
 
-def _dot_rows(x, w):
-    """`_dot` over all the leading axes of `x` as rows. XLA:CPU computes a product of bfloat16
-    or float16 with one row 10-20x slower than with two (it converts the whole weight to float32
-    first), so on CPU a single row of such a type is padded to two; a few float32 rows are
-    multiplied as columns (`_dot_columns`)."""
+def _xla_rows(x, w):
+    """`_dot` over all the leading axes of `x` as rows, by XLA (where the C++ product is not
+    built or does not apply). XLA:CPU computes a product of bfloat16 or float16 with one row
+    10-20x slower than with two (it converts the whole weight to float32 first), so on CPU a
+    single row of such a type is padded to two; a few float32 rows are multiplied as columns
+    (`_dot_columns`)."""
     rows = math.prod(x.shape[:-1])
     narrow = jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
     if rows in _FEW_ROWS and x.dtype == w.dtype == jnp.float32:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import equinox as eqx
@@ -15,8 +16,10 @@ from .._numerics import Layout
 from ..decode import AttentionBackend, AttentionName
 from ..energy import Energy, is_plain_softmax
 from ._attention import MultiheadAttention
-from ._cache import Cache, remember, reserve
+from ._cache import Cache, KVCache, on_host, reserve
+from ._checks import check_token_ids, check_token_type
 from ._config import LlamaConfig
+from ._generate import Decoder
 from ._gguf import read_gguf
 from ._hf import model_from_tensors, read_pretrained, save_pretrained
 from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
@@ -163,6 +166,28 @@ class Transformer(eqx.Module):
         kw["dtype"] = dtype or self.embed_tokens.weight.dtype
         return self.block(0).self_attn.init_cache(**kw)
 
+    def decoder(
+        self,
+        *,
+        max_len: int,
+        batch: int | None = None,
+        backend: AttentionName | AttentionBackend | None = None,
+        mesh=None,
+        kv_axis=None,
+        dtype=None,
+        layout: Layout | None = None,
+        block: int | None = None,
+    ) -> Decoder:
+        """A [`Decoder`][treeattn.models.Decoder] of this model: its weights prepared for
+        decoding once (whether its layers are stacked or not), a KV cache of `max_len` tokens
+        (one per row with `batch`; sharded over `mesh`/`kv_axis` with `backend="tree"` or
+        `"ring"`, default the model's backend; `dtype`, `layout` and `block` as in
+        `init_cache`), and the cache's length on the host. It offers `prefill`, `step` and
+        `generate`."""
+        kw = dict(locals())
+        del kw["self"]
+        return Decoder(self, **kw)
+
     @property
     def backend(self) -> AttentionBackend:
         """The attention backend of the layers (each call may override it)."""
@@ -251,6 +276,11 @@ class Transformer(eqx.Module):
                     f"{self.config.num_hidden_layers} (make it with model.init_cache)"
                 )
             length = reserve(cache, x.shape[0])
+            if isinstance(cache, KVCache):
+                # Checked once: on the host when it knows the length, else in the program.
+                checked = length is not None or cache.checked
+                cache = dataclasses.replace(cache, checked=True) if checked else cache
+                cache = cache.check(x.shape[0])
         new_cache = None
         if cache is None and not isinstance(self.layers, tuple):
             dynamic, static = eqx.partition(self.layers, eqx.is_array)
@@ -291,8 +321,7 @@ class Transformer(eqx.Module):
             # decided from the replicated length alone, shows as NaN logits instead.
             overflow = jnp.max(cache.length) + seq > cache.max_len
             logits = jnp.where(overflow, jnp.asarray(jnp.nan, logits.dtype), logits)
-        remember(new_cache, length)
-        return logits, new_cache
+        return logits, on_host(new_cache, length)
 
     # -----------------------------------------------------------------------------------------
     # Hugging Face checkpoints (safetensors; no torch needed)
@@ -429,26 +458,3 @@ def _logits_to_keep(keep, seq: int):
                 f"[0, {seq}) for {seq} tokens"
             )
     return keep
-
-
-def check_token_type(name: str, tokens, vocab: int, *, ndim: int) -> None:
-    """Token ids are integer arrays of the expected rank (static: checked under `jit` too)."""
-    dtype = getattr(tokens, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(
-            f"{name}: token ids must be integers in [0, vocab_size={vocab}), got dtype {dtype}"
-        )
-    if tokens.ndim != ndim:
-        want = "a scalar" if ndim == 0 else f"{ndim}-d"
-        raise ValueError(f"{name}: the token ids must be {want}, got shape {tokens.shape}")
-
-
-def check_token_ids(name: str, tokens, vocab: int) -> None:
-    """Concrete token ids lie in `[0, vocab)`; traced ones cannot be checked here."""
-    if isinstance(tokens, Tracer) or not getattr(tokens, "is_fully_addressable", True):
-        return  # traced, or spread over processes: not readable here
-    ids = np.asarray(tokens)
-    bad = np.unique(ids[(ids < 0) | (ids >= vocab)])
-    if bad.size:
-        shown = ", ".join(str(int(i)) for i in bad[:8]) + (", ..." if bad.size > 8 else "")
-        raise ValueError(f"{name}: token ids {shown} are outside [0, vocab_size={vocab})")

@@ -1,6 +1,7 @@
-// The "cpu" backend of treeattn.decode.flash_attention: fused attention with (out, lse) for
-// XLA:CPU, called through the XLA FFI. treeattn compiles this file with the host's C++
-// compiler on first use (see _native.py).
+// treeattn's kernels for XLA:CPU, called through the XLA FFI: the "cpu" backend of
+// treeattn.decode.flash_attention (fused attention with (out, lse)) and the few-row matrix
+// product of treeattn.models.matmul. treeattn compiles this file with the host's C++ compiler
+// on first use (see _native.py).
 //
 // For each batch row and kv head, the query rows of that head (group * q_seq of them) walk the
 // keys in blocks of kBlock with an online softmax: the logits of a block, then the rescaled
@@ -33,6 +34,10 @@
 #include <string_view>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -586,6 +591,192 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Few-row matrix products: y[r, o] = sum_i x[r, i] w[o, i], for the weights of a decode step
+// ---------------------------------------------------------------------------------------------
+//
+// A decode step multiplies one row (or a batch's few rows) by every weight matrix: each weight
+// is streamed from memory once, and that is what the step costs at best. Each thread takes its
+// own range of output rows and streams them kMmOut rows at a time, against kMmRows input rows
+// held in registers (the other input rows re-read the same weight rows from L1/L2). bfloat16
+// weights are widened as they are loaded; sums run in float32.
+
+#if defined(__AVX512F__)
+constexpr int kMmRows = 4;  // 4 x 4 accumulators + 4 weight vectors fit AVX-512's 32 registers
+#else
+constexpr int kMmRows = 2;  // 2 x 4 + 4 fit the 16 of AVX2 and SSE
+#endif
+constexpr int kMmOut = 4;
+// Below this many weight elements one thread streams the matrix faster than several start.
+constexpr int64_t kMmParallel = 1 << 16;
+
+// out[r * NO + o] = x[r] . w[o] for NR input rows (row stride `in`) and NO weight rows.
+template <int NR, int NO, typename T>
+inline void mm_tile(const float* __restrict x, int64_t in, const T* __restrict w,
+                    float* __restrict out) {
+  vf32 acc[NR][kMmOut] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= in; i += kLanes) {
+    vf32 wv[NO];
+    for (int o = 0; o < NO; ++o) wv[o] = vload(w + o * in + i);
+    for (int r = 0; r < NR; ++r) {
+      const vf32 xv = vload(x + r * in + i);
+      for (int o = 0; o < NO; ++o) acc[r][o] += xv * wv[o];
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float sums[kMmOut];
+    if constexpr (NO == kMmOut) {
+      sum4(acc[r], sums);
+    } else {
+      for (int o = 0; o < NO; ++o) sums[o] = hsum(acc[r][o]);
+    }
+    for (int o = 0; o < NO; ++o) {
+      float t = sums[o];
+      for (int64_t j = i; j < in; ++j) t += x[r * in + j] * load(w + o * in + j);
+      out[r * NO + o] = t;
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 rows and weights, with the CPU's bfloat16 dot products (AVX512-BF16):
+// each instruction multiplies 32 pairs and adds them into 16 float32 sums, so neither operand
+// is widened first.
+template <int NR, int NO>
+inline void mm_tile_bf16(const uint16_t* __restrict x, int64_t in, const uint16_t* __restrict w,
+                         float* __restrict out) {
+  __m512 acc[NR][kMmOut];
+  for (int r = 0; r < NR; ++r)
+    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= in; i += 32) {
+    __m512bh wv[NO];
+    for (int o = 0; o < NO; ++o) wv[o] = (__m512bh)_mm512_loadu_si512(w + o * in + i);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * in + i);
+      for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float sums[kMmOut];
+    if constexpr (NO == kMmOut) {
+      vf32 four[kMmOut];  // the four sums of a row reduced together
+      std::memcpy(four, acc[r], sizeof four);
+      sum4(four, sums);
+    } else {
+      for (int o = 0; o < NO; ++o) sums[o] = _mm512_reduce_add_ps(acc[r][o]);
+    }
+    for (int o = 0; o < NO; ++o) {
+      float t = sums[o];
+      for (int64_t j = i; j < in; ++j) t += load(x + r * in + j) * load(w + o * in + j);
+      out[r * NO + o] = t;
+    }
+  }
+}
+#endif
+
+// Calls fn(std::integral_constant<int, N>) for n in 1..4.
+template <typename F>
+inline void with_count(int64_t n, F fn) {
+  switch (n) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: return;
+  }
+}
+
+// Output rows [o0, o1) of y = x w^T for every input row (x: float32 rows, or with
+// AVX512-BF16 the bfloat16 rows themselves).
+template <typename X, typename T>
+void mm_rows(const X* x, int64_t rows, int64_t in, const T* w, int64_t out, int64_t o0,
+             int64_t o1, T* y) {
+  float tile[kMmRows * kMmOut];
+  for (int64_t o = o0; o < o1; o += kMmOut) {
+    const int64_t no = std::min<int64_t>(kMmOut, o1 - o);
+    for (int64_t r = 0; r < rows; r += kMmRows) {
+      const int64_t nr = std::min<int64_t>(kMmRows, rows - r);
+      with_count(nr, [&](auto NR) {
+        with_count(no, [&](auto NO) {
+          constexpr int kr = decltype(NR)::value, ko = decltype(NO)::value;
+          if constexpr (kr <= kMmRows) {
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<X, uint16_t>) {
+              mm_tile_bf16<kr, ko>(x + r * in, in, w + o * in, tile);
+              return;
+            }
+#endif
+            if constexpr (std::is_same_v<X, float>) {
+              mm_tile<kr, ko>(x + r * in, in, w + o * in, tile);
+            }
+          }
+        });
+      });
+      for (int64_t a = 0; a < nr; ++a)
+        for (int64_t b = 0; b < no; ++b) store(y + (r + a) * out + o + b, tile[a * no + b]);
+    }
+  }
+}
+
+template <typename T>
+void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in, const T* w,
+            int64_t out, T* y) {
+  int64_t chunks = 1;
+  if (out * in >= kMmParallel) {
+    // A few chunks per thread, each a whole number of output tiles, so that a thread that
+    // is late to start leaves its share to the others.
+    chunks = std::min<int64_t>(4 * pool.num_threads(), (out + kMmOut - 1) / kMmOut);
+  }
+  const int64_t per = ((out + chunks - 1) / chunks + kMmOut - 1) / kMmOut * kMmOut;
+#if defined(__AVX512BF16__)
+  const bool widen = false;  // bfloat16 rows go to the dot products as they are
+#else
+  const bool widen = !std::is_same_v<T, float>;
+#endif
+  std::vector<float> widened(widen ? rows * in : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(widened.size()); ++i) widened[i] = load(x + i);
+  parallel_for(pool, chunks, [&](int64_t c) {
+    const int64_t o0 = c * per, o1 = std::min<int64_t>(out, o0 + per);
+    if (o0 >= o1) return;
+    if (widen) {
+      mm_rows<float, T>(widened.data(), rows, in, w, out, o0, o1, y);
+    } else {
+      mm_rows<T, T>(x, rows, in, w, out, o0, o1, y);
+    }
+  });
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[1]) {
+    return ffi::Error::InvalidArgument(
+        "treeattn_cpu_matmul: x must be [..., in] and w [out, in] with the same in");
+  }
+  const int64_t in = wd[1], out = wd[0];
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  const auto dtype = x.element_type();
+  if (w.element_type() != dtype || y->element_type() != dtype) {
+    return ffi::Error::InvalidArgument("treeattn_cpu_matmul: x, w and y must share a dtype");
+  }
+  if (dtype == ffi::F32) {
+    matmul<float>(pool, static_cast<const float*>(x.untyped_data()), rows, in,
+                  static_cast<const float*>(w.untyped_data()), out,
+                  static_cast<float*>(y->untyped_data()));
+  } else if (dtype == ffi::BF16) {
+    matmul<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()), rows, in,
+                     static_cast<const uint16_t*>(w.untyped_data()), out,
+                     static_cast<uint16_t*>(y->untyped_data()));
+  } else {
+    return ffi::Error::InvalidArgument("treeattn_cpu_matmul: dtype must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuDecode, Decode,
@@ -605,3 +796,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuDecode, Decode,
                                   .Attr<int64_t>("window_right")
                                   .Attr<std::string_view>("layout")
                                   .Attr<bool>("has_pos"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
