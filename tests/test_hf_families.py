@@ -12,9 +12,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
-from test_checkpoints import FAMILIES, hf_logits, hf_model
+from helpers import FAMILIES, backend_of, hf_logits, hf_model
 
 from treeattn.models import (
     AttentionBackend,
@@ -47,15 +45,7 @@ MISTRAL, QWEN2, QWEN3 = (
 )
 
 
-def tree(p):
-    return AttentionBackend("tree", mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
-
-
 BACKENDS = ["energy", "reference", "flash", "tree"]
-
-
-def backend_of(name):
-    return tree(2) if name == "tree" else name
 
 
 @pytest.fixture(scope="module")

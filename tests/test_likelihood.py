@@ -6,7 +6,7 @@ import np_reference as ref
 import numpy as np
 import optax
 import pytest
-from test_energy import make_masking, make_qkv, np_kw
+from helpers import make_masking, make_qkv, np_kw
 
 from treeattn.energy import (
     TiltedSource,

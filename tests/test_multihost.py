@@ -9,11 +9,10 @@ import subprocess
 import sys
 import time
 
-import jax
 import multihost_worker as worker
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from helpers import mesh_of
 
 from treeattn.distributed import ProcessConfig, free_port, initialize, process_config_from_env
 
@@ -53,7 +52,7 @@ def alive(pid):
 @pytest.fixture(scope="module")
 def single_process():
     """The answer of one process with 8 simulated devices."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("kv",))
+    mesh = mesh_of(8)
     return worker.compute(mesh)
 
 

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
+from helpers import TOL, make_masking, make_qkv, mesh_of, np_kw, two_level_mesh
 from hypothesis import given, strategies as st
-from jax.sharding import Mesh, PartitionSpec as P
-from test_energy import TOL, make_masking, make_qkv, np_kw
+from jax.sharding import PartitionSpec as P
 
 from treeattn.energy import (
     allreduce_partials,
@@ -24,14 +23,6 @@ from treeattn.energy import (
     tree_free_energy,
 )
 from treeattn.profiling import collective_stats
-
-
-def mesh_of(p: int) -> Mesh:
-    return Mesh(np.array(devices(p)), ("kv",))
-
-
-def two_level_mesh(nodes: int, local: int) -> Mesh:
-    return Mesh(np.array(devices(nodes * local)).reshape(nodes, local), ("node", "local"))
 
 
 SCHEDULES = [(p, "allreduce") for p in (1, 2, 3, 4, 8)] + [

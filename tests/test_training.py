@@ -9,12 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
+from helpers import tree
 
 from treeattn.models import (
     CHECKPOINTS,
-    AttentionBackend,
     CharTokenizer,
     Transformer,
     generate,
@@ -119,11 +117,9 @@ def test_shipped_checkpoint_generates_the_same_on_every_backend():
     model = Transformer.from_pretrained(path)
     tokenizer = CharTokenizer.load(path)
     prompt = jnp.asarray(tokenizer.encode("When I do count the clock"))
-    mesh = Mesh(np.array(devices(4)), ("kv",))
-    tree = AttentionBackend("tree", mesh=mesh, kv_axis="kv")
     outs = [
         generate(model, prompt, max_new_tokens=64, backend=be)
-        for be in ("reference", "energy", "flash", tree)
+        for be in ("reference", "energy", "flash", tree(4))
     ]
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
