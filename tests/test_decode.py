@@ -76,6 +76,9 @@ FLASH_CASES = [case + ("bhsd", jnp.float32) for case in CASES] + [
 ]
 
 
+@pytest.mark.fast(
+    backend="xla", block=8, shape=SHAPES[2], layout="bhsd", dtype=jnp.float32, causal=True
+)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "backend, block, shape, layout, dtype",
@@ -164,6 +167,7 @@ def decode_fn(kind, p, **kw):
     return jax.jit(functools.partial(fn, mesh=mesh_of(p), kv_axis="kv", **kw))
 
 
+@pytest.mark.fast(p=4, dtype=jnp.float32, backend="xla")
 @pytest.mark.parametrize("backend", ["xla", "cpu", "pallas", "reference"])
 @pytest.mark.parametrize(
     "p, dtype",
@@ -335,6 +339,7 @@ def test_bad_shapes_and_mesh(getkey):
         tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", reduction="hierarchical")
 
 
+@pytest.mark.fast(p=3)
 @pytest.mark.parametrize("p", [1, 3, 4])
 def test_kv_positions_out_of_order_cache(p, getkey):
     """A cache stored out of position order (e.g. round-robin over devices), described by
@@ -428,7 +433,8 @@ def test_cpu_kernel_under_vmap(getkey):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=8)  # one C++ kernel compilation per example
+# One C++ kernel compilation per example: at most 8, fewer where the profile asks for fewer.
+@settings(max_examples=min(8, settings.default.max_examples))
 @given(
     batch=st.integers(1, 3),
     q_seq=st.integers(1, 4),

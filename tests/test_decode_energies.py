@@ -64,6 +64,7 @@ STEP_CASES = [  # (energy, devices, layout): every device count and layout, few 
 ]
 
 
+@pytest.mark.fast(case="sigmoid_bias", p=4, kv_layout="bhsd")
 @pytest.mark.parametrize("case, p, kv_layout", STEP_CASES)
 def test_decode_step(case, p, kv_layout, getkey):
     """One query after a cache of rows filled to different lengths, with a mask: flash, tree

@@ -345,6 +345,7 @@ TREE_SCHEDULE_CASES = [
 ]
 
 
+@pytest.mark.fast(case="sink", p=8, reduction="allreduce")
 @pytest.mark.parametrize("case, p, reduction", TREE_SCHEDULE_CASES, ids=str)
 def test_tree_matches_unsharded(case, p, reduction, getkey):
     shape = (3, 21, HEADS, 2, 8, 3)  # 21 keys: padded on 2, 4 and 8 devices

@@ -50,6 +50,7 @@ ATTENTION_CASES = [(shape, masking, jnp.float32) for shape in SHAPES for masking
 ]
 
 
+@pytest.mark.fast(fn=energy_attention, shape=SHAPES[2], masking="causal_cache", dtype=jnp.float32)
 @pytest.mark.parametrize(
     "shape, masking, dtype",
     ATTENTION_CASES,

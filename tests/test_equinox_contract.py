@@ -235,6 +235,7 @@ MASK_CASES = [
 ]
 
 
+@pytest.mark.fast(backend="energy", mask_kind="3d", biases=True)
 @pytest.mark.parametrize("biases", [False, True])
 @pytest.mark.parametrize("backend, mask_kind", MASK_CASES)
 def test_random_masks_and_biases_match_equinox(backend, biases, mask_kind, getkey):

@@ -355,6 +355,7 @@ def test_a_model_cache_appends_through_its_layers():
         KVCache.create(2, 8, 4, layout="hsd")  # type: ignore[arg-type]
 
 
+@pytest.mark.fast(p=4, block=2)
 @pytest.mark.parametrize("p, block", [(1, 1), (2, 1), (2, 3), (4, 2), (8, 2)])
 def test_shard_lengths_count_the_filled_slots(p, block):
     """`shard_lengths()` of a round-robin cache is, per shard, the number of its slots whose

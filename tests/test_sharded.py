@@ -47,6 +47,7 @@ def tree_kw(p, reduction):
     return {"mesh": mesh_of(p), "kv_axis": "kv", "reduction": reduction}
 
 
+@pytest.mark.fast(p=4, reduction="allreduce")
 @pytest.mark.parametrize("p, reduction", SCHEDULES + [(4, "hierarchical"), (8, "hierarchical")])
 def test_matches_unsharded_and_numpy(p, reduction, getkey):
     q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
@@ -62,6 +63,7 @@ def test_matches_unsharded_and_numpy(p, reduction, getkey):
     np.testing.assert_allclose(out, energy_attention(q, k, v, **kw), atol=1e-6)
 
 
+@pytest.mark.fast(reduction="allreduce", masking="causal_mask3d", dtype=jnp.float32)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("masking", ["none", "causal", "mask2d", "mask3d", "causal_mask3d"])
 @pytest.mark.parametrize("reduction", ["allreduce", "butterfly"])
