@@ -225,6 +225,7 @@ def test_exp_over_the_logit_range():
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(NARROW))
 def test_tiles_on_narrower_vector_units(target, tmp_path):
     """The same tiles built for AVX2 (8 lanes, 2-row tiles) and SSE4.2 (4 lanes) pass the tile

@@ -377,6 +377,7 @@ def test_cpu_kernel_without_a_compiler(monkeypatch, tmp_path):
         _native._compiler()
 
 
+@pytest.mark.slow
 def test_cpu_kernel_cache_is_reused(monkeypatch, tmp_path):
     """The kernel is built once per (source, jax, compiler, flags, CPU) into the cache dir."""
     from treeattn.decode import _native

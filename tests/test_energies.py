@@ -503,6 +503,7 @@ def test_blockwise_matches_materialised(case, getkey):
     assert ref.rel_err(blocked[2], expected[0]) <= TOL[jnp.float32]
 
 
+@pytest.mark.slow
 def test_blockwise_check_grads(getkey):
     with jax.enable_x64(True):
         q, k, v = make_qkv(getkey, (2, 7, 2, 1, 3, 2), jnp.float64)

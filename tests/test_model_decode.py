@@ -296,6 +296,7 @@ def prompts_alone() -> tuple[list[jax.Array], list[np.ndarray]]:
     return prompts, alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend", ["reference", "flash", "tree-2"], ids=["reference", "flash", "tree-2"]
 )
@@ -372,6 +373,7 @@ def test_shard_lengths_count_the_filled_slots(p, block):
     assert (np.diff(held, axis=1) > 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p, name", [(2, "tree"), (4, "tree"), (8, "tree"), (4, "ring")])
 def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
     """Decode steps over a cache sharded round-robin (each shard told its fill length) give the
@@ -395,6 +397,7 @@ def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p, name", [(2, "tree"), (8, "tree"), (2, "ring")])
 def test_round_robin_generate_gives_the_reference_tokens(p, name, getkey):
     """Batched greedy generation with prompts of different lengths (left-padded) on a cache

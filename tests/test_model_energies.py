@@ -33,6 +33,7 @@ def test_layer_is_the_energy_attention_of_its_projections(name, getkey):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODEL)
 def test_tree_generate_gives_the_reference_tokens(name, getkey):
     """Tree decoding, and the ring baseline, generate the reference path's tokens."""
@@ -54,6 +55,7 @@ def test_tree_generate_gives_the_reference_tokens(name, getkey):
     np.testing.assert_allclose(chosen, logits.max(-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODEL)
 def test_a_small_model_trains_through_each_energy(name, getkey):
     model = Transformer(CONFIG, energy=make_energy(name), key=getkey())

@@ -188,6 +188,7 @@ def test_prefill_and_decode_logits_agree(backend, getkey):
     np.testing.assert_allclose(steps, full[12:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_logits_within_tolerance(getkey):
     model32 = small_model()
     model16 = jax.tree.map(
@@ -204,6 +205,7 @@ def test_bfloat16_logits_within_tolerance(getkey):
         assert ref.rel_err(got, full) <= 5e-2
 
 
+@pytest.mark.slow
 def test_greedy_generation_identical_across_backends(getkey):
     model = small_model()
     prompt = jax.random.randint(getkey(), (8,), 0, SMALL.vocab_size)
@@ -329,6 +331,7 @@ def test_causality(getkey):
         assert np.any(jac[:, :5] != 0)
 
 
+@pytest.mark.slow
 def test_training_through_energy_matches_reference(getkey):
     """The gradient of the energy path is a second derivative of F; training through it follows
     the reference's loss curve."""

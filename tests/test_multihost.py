@@ -56,6 +56,7 @@ def single_process():
     return worker.compute(mesh)
 
 
+@pytest.mark.slow
 def test_processes_agree_with_one_process(single_process, tmp_path):
     """Four processes of two devices each: the reduction crosses processes at more than one
     level."""
@@ -70,6 +71,7 @@ def test_processes_agree_with_one_process(single_process, tmp_path):
     np.testing.assert_array_equal(got["tokens"], tokens)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_run(tmp_path):
     """Kill one process mid-run: launch reports it, the others are gone within 60 s."""
     proc = launch(2, 2, "hang")
@@ -93,6 +95,7 @@ def test_a_killed_process_stops_the_run(tmp_path):
     assert not any(alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_survivors_stop_without_the_launcher():
     """Without `launch`, JAX's heartbeat stops the survivors: a clear error, not a hang."""
     port = str(free_port())
@@ -146,6 +149,7 @@ def test_launch_terminated_takes_its_children():
     assert not any(alive(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_mismatched_device_counts_are_named():
     port = str(free_port())
     procs = [

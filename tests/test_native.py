@@ -153,6 +153,7 @@ def test_damage_is_detected(built, tmp_path, how):
         assert _native._elf_problem(lib.read_bytes()) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "garbage", "no_manifest"])
 def test_damaged_cache_is_rebuilt(built, tmp_path, how):
     """A process that finds a damaged cached library rebuilds it and decodes correctly, with

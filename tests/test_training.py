@@ -24,6 +24,7 @@ from treeattn.models import (
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_example_script_trains_checkpoints_and_resumes(tmp_path):
     script = ROOT / "examples" / "train_sonnets.py"
     out = tmp_path / "run"
@@ -112,6 +113,7 @@ def test_shipped_checkpoint_is_trained():
         tokenizer.encode("Z~")
 
 
+@pytest.mark.slow
 def test_shipped_checkpoint_generates_the_same_on_every_backend():
     path = CHECKPOINTS / "sonnets"
     model = Transformer.from_pretrained(path)
