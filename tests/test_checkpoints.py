@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from helpers import hf_logits, hf_model
 
 from treeattn.models import Transformer
 
@@ -28,37 +29,6 @@ CONFIGS = {
     "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
     "mqa-head-dim": dict(num_key_value_heads=1, head_dim=24),
 }
-
-
-# The transformers class of each family: `{Name}Config`, `{Name}ForCausalLM`.
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-# A tiny model of every family: small enough to run in a second, large enough for GQA.
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=80,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-)
-
-
-def hf_model(family="llama", **kw):
-    """A transformers causal LM of `family` with random weights (seeded) and random norm gains."""
-    name = FAMILIES[family]
-    config = getattr(transformers, f"{name}Config")(**{**TINY, **kw})
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
-    with torch.no_grad():  # non-trivial norm gains and biases
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens))[None]).logits[0].numpy()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -18,6 +18,7 @@ def treeattn(*args, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_verify_passes_and_reports_every_path():
     done = treeattn("verify", "--devices", "4", "--kv-seq", "256")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import np_reference as ref
 import numpy as np
 import pytest
-from test_decode import np_attention, np_visible, to_layout
-from test_energy import TOL
+from helpers import TOL, to_layout
 
 from treeattn.decode import flash_attention
 
@@ -84,7 +84,7 @@ def test_tiles_match_numpy(group, q_seq, qk, dv, dtype, layout, causal):
         kv_layout=layout,
         backend="cpu",
     )
-    vis = np_visible(
+    vis = ref.decode_visible(
         batch,
         q_seq,
         group * kv_heads,
@@ -95,7 +95,7 @@ def test_tiles_match_numpy(group, q_seq, qk, dv, dtype, layout, causal):
         window=None,
         mask=None,
     )
-    out, lse = np_attention(q, k, v, vis)
+    out, lse = ref.decode_attention(q, k, v, vis)
     check(got, (out, lse), dtype)
 
 
@@ -107,7 +107,7 @@ def test_windows_in_tiles(window, positions):
     group, q_seq, kv_heads, d = 3, 2, 2, 64
     q, k, v = inputs(5, 1, q_seq, group * kv_heads, kv_heads, d, d, jnp.float32)
     kv_length, q_offset = np.array([1000]), np.array([900])
-    vis = np_visible(
+    vis = ref.decode_visible(
         1,
         q_seq,
         group * kv_heads,
@@ -118,7 +118,7 @@ def test_windows_in_tiles(window, positions):
         window=window,
         mask=None,
     )
-    out, lse = np_attention(q, k, v, vis)
+    out, lse = ref.decode_attention(q, k, v, vis)
     kw = {}
     if positions:
         perm = np.random.default_rng(0).permutation(KV_SEQ)  # slot s holds position perm[s]
@@ -157,10 +157,10 @@ def test_nan_in_a_slot_one_query_does_not_see():
         kv_layout="bhsd",
         backend="cpu",
     )
-    vis = np_visible(
+    vis = ref.decode_visible(
         1, q_seq, group, KV_SEQ, kv_length=1001, q_offset=999, causal=True, window=None, mask=None
     )
-    want, want_lse = np_attention(q, clean_k, clean_v, vis)
+    want, want_lse = ref.decode_attention(q, clean_k, clean_v, vis)
     assert ref_err(out[:, 0], want[:, 0]) <= TOL[jnp.float32]
     np.testing.assert_allclose(np.asarray(lse)[:, 0], want_lse[:, 0], rtol=1e-5)
     assert np.isnan(np.asarray(out[:, 1])).all() and np.isnan(np.asarray(lse[:, 1])).all()
@@ -225,6 +225,7 @@ def test_exp_over_the_logit_range():
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(NARROW))
 def test_tiles_on_narrower_vector_units(target, tmp_path):
     """The same tiles built for AVX2 (8 lanes, 2-row tiles) and SSE4.2 (4 lanes) pass the tile

@@ -7,10 +7,15 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
+from helpers import (
+    TOL,
+    check_out_lse,
+    make_decode_qkv,
+    mesh_of,
+    to_layout,
+    two_level_mesh,
+)
 from hypothesis import given, settings, strategies as st
-from jax.sharding import Mesh
-from test_energy import TOL
 
 from treeattn.decode import (
     BackendUnavailable,
@@ -22,47 +27,6 @@ from treeattn.decode import (
 )
 from treeattn.energy import energy_attention
 from treeattn.profiling import collective_stats
-
-
-def mesh_of(p):
-    return Mesh(np.array(devices(p)), ("kv",))
-
-
-def to_layout(x, layout):
-    """[batch, seq, heads, dim] -> the layout under test."""
-    return x if layout == "bshd" else jnp.swapaxes(x, 1, 2)
-
-
-def make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim, dtype=jnp.float32):
-    q = jax.random.normal(getkey(), (batch, q_seq, heads, dim), dtype)
-    k = jax.random.normal(getkey(), (batch, kv_seq, kv_heads, dim), dtype)
-    v = jax.random.normal(getkey(), (batch, kv_seq, kv_heads, dim), dtype)
-    return q, k, v
-
-
-def np_decode(q, k, v, kv_length, *, causal=False, q_offset=None):
-    """float64 NumPy (out, lse) per batch row; k, v in bshd."""
-    batch, q_seq, heads, _ = q.shape
-    kv_seq = k.shape[1]
-    outs, lses = [], []
-    for b in range(batch):
-        n = int(np.broadcast_to(kv_length, (batch,))[b])
-        mask = np.zeros((q_seq, kv_seq), bool)
-        mask[:, :n] = True
-        off = 0 if q_offset is None else int(np.broadcast_to(q_offset, (batch,))[b])
-        kw = dict(mask=mask, causal=causal, q_offset=off)
-        outs.append(ref.attention(q[b], k[b], v[b], **kw))
-        terms = ref.free_energy_terms(q[b], k[b], v[b], np.zeros((q_seq, heads, v.shape[-1])), **kw)
-        lses.append(terms)  # [q_seq, heads], jax's residual layout
-    return np.stack(outs), np.stack(lses)
-
-
-def check(out, lse, expected_out, expected_lse, dtype):
-    assert ref.rel_err(out, expected_out) <= TOL[dtype]
-    assert lse.dtype == jnp.float32
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
-    finite = np.isfinite(expected_lse)
-    np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], rtol=1e-5, atol=1e-4)
 
 
 def flash_vs_numpy(q, k, v, *, kv_length, q_offset, causal, layout="bshd", dtype=jnp.float32, **kw):
@@ -78,10 +42,10 @@ def flash_vs_numpy(q, k, v, *, kv_length, q_offset, causal, layout="bshd", dtype
         kv_layout=layout,
         **kw,
     )
-    exp_out, exp_lse = np_decode(
+    exp_out, exp_lse = ref.decode(
         q, k, v, np.maximum(np.asarray(kv_length), 0), causal=causal, q_offset=np.asarray(q_offset)
     )
-    check(out, lse, exp_out, exp_lse, dtype)
+    check_out_lse(out, lse, exp_out, exp_lse, dtype)
     return out, lse
 
 
@@ -112,6 +76,9 @@ FLASH_CASES = [case + ("bhsd", jnp.float32) for case in CASES] + [
 ]
 
 
+@pytest.mark.fast(
+    backend="xla", block=8, shape=SHAPES[2], layout="bhsd", dtype=jnp.float32, causal=True
+)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "backend, block, shape, layout, dtype",
@@ -120,7 +87,7 @@ FLASH_CASES = [case + ("bhsd", jnp.float32) for case in CASES] + [
 )
 def test_flash_attention_matches_numpy(backend, block, shape, causal, layout, dtype, getkey):
     batch, q_seq = shape[:2]
-    q, k, v = make(getkey, *shape, dtype=dtype)
+    q, k, v = make_decode_qkv(getkey, *shape, dtype=dtype)
     kv_length = jnp.asarray([shape[4], 7, 0][:batch])  # full, partial, and an empty cache
     q_offset = kv_length - q_seq  # the queries are the last filled positions
     out, lse = flash_vs_numpy(
@@ -142,7 +109,7 @@ def test_flash_attention_matches_numpy(backend, block, shape, causal, layout, dt
 @pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])
 def test_gradients_match_reference(backend, getkey):
     """Fused backends differentiate through their shared blockwise backward, lse included."""
-    q, k, v = make(getkey, 2, 1, 4, 2, 24, 8)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 4, 2, 24, 8)
     kv_length = jnp.asarray([24, 11])
     w = jax.random.normal(getkey(), (2, 1, 4, 8))
 
@@ -169,7 +136,7 @@ def test_check_grads_xla_float64(getkey):
     from jax.test_util import check_grads
 
     with jax.enable_x64(True):
-        q, k, v = make(getkey, 1, 2, 2, 1, 9, 3, dtype=jnp.float64)
+        q, k, v = make_decode_qkv(getkey, 1, 2, 2, 1, 9, 3, dtype=jnp.float64)
 
         def f(q, k, v):
             out, lse = flash_attention(
@@ -181,7 +148,7 @@ def test_check_grads_xla_float64(getkey):
 
 
 def test_flash_reference_twin_and_energy_agree(getkey):
-    q, k, v = make(getkey, 2, 3, 8, 2, 30, 16)
+    q, k, v = make_decode_qkv(getkey, 2, 3, 8, 2, 30, 16)
     out, _ = flash_attention(q, k, v, causal=True, q_offset=27)
     twin, _ = flash_attention_reference(q, k, v, causal=True, q_offset=27)
     np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-6)
@@ -200,6 +167,7 @@ def decode_fn(kind, p, **kw):
     return jax.jit(functools.partial(fn, mesh=mesh_of(p), kv_axis="kv", **kw))
 
 
+@pytest.mark.fast(p=4, dtype=jnp.float32, backend="xla")
 @pytest.mark.parametrize("backend", ["xla", "cpu", "pallas", "reference"])
 @pytest.mark.parametrize(
     "p, dtype",
@@ -208,7 +176,7 @@ def decode_fn(kind, p, **kw):
     ids=str,
 )
 def test_tree_equals_ring_equals_one_device(p, dtype, backend, getkey):
-    q, k, v = make(getkey, 2, 1, 8, 2, 64, 16, dtype=dtype)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 8, 2, 64, 16, dtype=dtype)
     kv_length = jnp.asarray([64, 13])  # row 1: most shards hold no valid key
     layout = "bhsd"
     kk, vv = to_layout(k, layout), to_layout(v, layout)
@@ -216,7 +184,7 @@ def test_tree_equals_ring_equals_one_device(p, dtype, backend, getkey):
     tree = decode_fn("tree", p, **kw)(q, kk, vv)
     ring = decode_fn("ring", p, **kw)(q, kk, vv)
     one, _ = flash_attention(q, kk, vv, kv_length=kv_length, backend=backend, kv_layout=layout)
-    expected, _ = np_decode(q, k, v, np.asarray(kv_length))
+    expected, _ = ref.decode(q, k, v, np.asarray(kv_length))
     for got in (tree, ring, one):
         assert got.dtype == dtype
         assert ref.rel_err(got, expected) <= TOL[dtype]
@@ -232,13 +200,13 @@ def test_tree_equals_ring_equals_one_device(p, dtype, backend, getkey):
 def test_chunked_decode_gqa_batch(layout, reduction, getkey):
     """Several queries per row (chunked / speculative decoding), GQA, uneven fill, p = 3
     (the cache of 50 is padded to 51)."""
-    q, k, v = make(getkey, 3, 4, 6, 2, 50, 8)
+    q, k, v = make_decode_qkv(getkey, 3, 4, 6, 2, 50, 8)
     kv_length = jnp.asarray([50, 21, 4])
     kw = dict(kv_length=kv_length, causal=True, kv_layout=layout, reduction=reduction)
     kk, vv = to_layout(k, layout), to_layout(v, layout)
     tree = decode_fn("tree", 3, **kw)(q, kk, vv)
     ring = decode_fn("ring", 3, **kw)(q, kk, vv)
-    expected, _ = np_decode(
+    expected, _ = ref.decode(
         q, k, v, np.asarray(kv_length), causal=True, q_offset=np.asarray(kv_length) - 4
     )
     assert ref.rel_err(tree, expected) <= TOL[jnp.float32]
@@ -246,17 +214,17 @@ def test_chunked_decode_gqa_batch(layout, reduction, getkey):
 
 
 def test_hierarchical_tree_decode(getkey):
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("node", "local"))
-    q, k, v = make(getkey, 1, 1, 4, 4, 64, 8)
+    mesh = two_level_mesh(2, 4)
+    q, k, v = make_decode_qkv(getkey, 1, 1, 4, 4, 64, 8)
     out = tree_decode(
         q, k, v, mesh=mesh, kv_axis=("node", "local"), reduction="hierarchical", kv_length=40
     )
-    expected, _ = np_decode(q, k, v, np.asarray([40]))
+    expected, _ = ref.decode(q, k, v, np.asarray([40]))
     assert ref.rel_err(out, expected) <= TOL[jnp.float32]
 
 
 def test_decode_step_does_not_recompile(getkey):
-    q, k, v = make(getkey, 1, 1, 4, 2, 32, 8)
+    q, k, v = make_decode_qkv(getkey, 1, 1, 4, 2, 32, 8)
     step = decode_fn("tree", 4, kv_layout="bshd")
     traces = 0
 
@@ -268,7 +236,7 @@ def test_decode_step_does_not_recompile(getkey):
 
     for n in (5, 9, 17, 32):
         out = run(q, k, v, jnp.asarray([n]))
-        expected, _ = np_decode(q, k, v, np.asarray([n]))
+        expected, _ = ref.decode(q, k, v, np.asarray([n]))
         assert ref.rel_err(out, expected) <= TOL[jnp.float32]
     assert traces == 1
     del step
@@ -307,7 +275,7 @@ def test_tree_and_ring_communication(p):
 
 
 def test_backend_selection_on_this_machine(getkey):
-    q, k, v = make(getkey, 1, 1, 4, 2, 16, 8, dtype=jnp.bfloat16)
+    q, k, v = make_decode_qkv(getkey, 1, 1, 4, 2, 16, 8, dtype=jnp.bfloat16)
     from treeattn.decode._checks import check_decode
     from treeattn.decode._registry import host_platform
 
@@ -352,13 +320,13 @@ def test_flash_attn_jax_import_is_lazy():
     ],
 )
 def test_bad_arguments(kwargs, match, getkey):
-    q, k, v = make(getkey, 2, 1, 4, 2, 16, 8)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 4, 2, 16, 8)
     with pytest.raises(ValueError, match=match):
         flash_attention(q, k, v, **kwargs)
 
 
 def test_bad_shapes_and_mesh(getkey):
-    q, k, v = make(getkey, 2, 1, 4, 2, 16, 8)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 4, 2, 16, 8)
     with pytest.raises(ValueError, match=r"q must have shape \[batch, q_seq, heads, dim\]"):
         flash_attention(q[0], k, v)
     with pytest.raises(ValueError, match=r"num_heads=4 .* multiple of num_kv_heads=3"):
@@ -371,17 +339,18 @@ def test_bad_shapes_and_mesh(getkey):
         tree_decode(q, k, v, mesh=mesh_of(2), kv_axis="kv", reduction="hierarchical")
 
 
+@pytest.mark.fast(p=3)
 @pytest.mark.parametrize("p", [1, 3, 4])
 def test_kv_positions_out_of_order_cache(p, getkey):
     """A cache stored out of position order (e.g. round-robin over devices), described by
     kv_positions, gives the same attention as the ordered cache."""
     batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 3, 4, 2, 24, 8
-    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    q, k, v = make_decode_qkv(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
     kv_length = jnp.asarray([24, 10])
     perm = np.random.default_rng(0).permutation(kv_seq)  # slot s holds position perm[s]
     ks, vs = to_layout(k[:, perm], "bhsd"), to_layout(v[:, perm], "bhsd")
     kw = dict(kv_length=kv_length, causal=True, kv_layout="bhsd", kv_positions=jnp.asarray(perm))
-    expected, _ = np_decode(
+    expected, _ = ref.decode(
         q, k, v, np.asarray(kv_length), causal=True, q_offset=np.asarray(kv_length) - q_seq
     )
     one, _ = flash_attention(q, ks, vs, q_offset=kv_length - q_seq, block_size=5, **kw)
@@ -408,6 +377,7 @@ def test_cpu_kernel_without_a_compiler(monkeypatch, tmp_path):
         _native._compiler()
 
 
+@pytest.mark.slow
 def test_cpu_kernel_cache_is_reused(monkeypatch, tmp_path):
     """The kernel is built once per (source, jax, compiler, flags, CPU) into the cache dir."""
     from treeattn import _native
@@ -425,7 +395,7 @@ def test_cpu_kernel_cache_is_reused(monkeypatch, tmp_path):
 
 def test_cpu_kernel_threads_over_batch_and_heads(getkey):
     """Many (batch row, kv head) items, shared between the caller and XLA's thread pool."""
-    q, k, v = make(getkey, 5, 2, 12, 3, 150, 16)
+    q, k, v = make_decode_qkv(getkey, 5, 2, 12, 3, 150, 16)
     kv_length = jnp.asarray([150, 1, 0, 77, 129])
     flash_vs_numpy(q, k, v, kv_length=kv_length, q_offset=kv_length - 2, causal=True, backend="cpu")
 
@@ -464,7 +434,8 @@ def test_cpu_kernel_under_vmap(getkey):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=8)  # one C++ kernel compilation per example
+# One C++ kernel compilation per example: at most 8, fewer where the profile asks for fewer.
+@settings(max_examples=min(8, settings.default.max_examples))
 @given(
     batch=st.integers(1, 3),
     q_seq=st.integers(1, 4),
@@ -481,7 +452,9 @@ def test_cpu_kernel_matches_numpy(
 ):
     """The C++ kernel against float64 NumPy over random shapes, fills and masks."""
     keys = iter(jax.random.split(jax.random.key(seed), 3))
-    q, k, v = make(lambda: next(keys), batch, q_seq, kv_heads * group, kv_heads, kv_seq, 8)
+    q, k, v = make_decode_qkv(
+        lambda: next(keys), batch, q_seq, kv_heads * group, kv_heads, kv_seq, 8
+    )
     k = k * 3.0  # peaked softmax: rescaling across blocks matters
     kv_length = jnp.asarray([round(fill * kv_seq)] * batch) - jnp.arange(batch) % 2
     flash_vs_numpy(
@@ -501,51 +474,6 @@ def test_cpu_kernel_matches_numpy(
 # ---------------------------------------------------------------------------------------------
 
 
-def np_visible(batch, q_seq, heads, kv_seq, *, kv_length, q_offset, causal, window, mask):
-    """float64-side visibility [batch, heads, q_seq, kv_seq], from the definitions: key slot
-    a (position a) is seen by query i (position q_offset + i) iff a < kv_length, (causal)
-    a <= position, (window) position - left <= a <= position + right, and the mask allows."""
-    vis = np.zeros((batch, heads, q_seq, kv_seq), bool)
-    lengths = np.broadcast_to(np.asarray(kv_length), (batch,))
-    offsets = np.broadcast_to(np.asarray(q_offset), (batch,))
-    for b in range(batch):
-        for i in range(q_seq):
-            at = int(offsets[b]) + i
-            for a in range(kv_seq):
-                ok = a < lengths[b] and (not causal or a <= at)
-                if window is not None:
-                    ok = ok and at - window[0] <= a <= at + window[1]
-                vis[b, :, i, a] = ok
-    if mask is not None:
-        vis &= np.broadcast_to(np.asarray(mask, bool), vis.shape)
-    return vis
-
-
-def np_attention(q, k, v, vis, bias=None, scale=None):
-    """float64 (out [b, q, h, dv], lse [b, q, h]) with logits s q.k + bias over the visible
-    keys; a row that sees nothing gives (0, -inf). k, v in bshd."""
-    q, k, v = ref.f64(q), ref.f64(k), ref.f64(v)
-    batch, q_seq, heads, dim = q.shape
-    group = heads // k.shape[2]
-    scale = 1.0 / np.sqrt(dim) if scale is None else scale
-    bias = np.zeros(()) if bias is None else ref.f64(bias)
-    bias = np.broadcast_to(bias, (batch, heads, q_seq, k.shape[1]))
-    out = np.zeros((batch, q_seq, heads, v.shape[-1]))
-    lse = np.full((batch, q_seq, heads), -np.inf)
-    for b in range(batch):
-        for h in range(heads):
-            x = scale * q[b, :, h] @ k[b, :, h // group].T + bias[b, h]
-            for i in range(q_seq):
-                seen = vis[b, h, i]
-                if not seen.any():
-                    continue
-                m = x[i, seen].max()
-                e = np.exp(x[i, seen] - m)
-                out[b, i, h] = e @ v[b, seen, h // group] / e.sum()
-                lse[b, i, h] = m + np.log(e.sum())
-    return out, lse
-
-
 WINDOWS = [(2, 1), (0, 0), (5, 0), (3, 30)]
 
 
@@ -558,7 +486,7 @@ def test_local_window_matches_numpy(backend, block, causal, window, getkey):
     """A sliding window by absolute position (jax's local_window_size), with causality, a
     partly filled cache, queries after it and GQA; blockwise and dense XLA, C++ and reference."""
     batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 3, 4, 2, 21, 8
-    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    q, k, v = make_decode_qkv(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
     kv_length = np.asarray([21, 12])
     q_offset = kv_length - q_seq
     # Each (backend, causal) sees both cache layouts, on alternate windows.
@@ -575,7 +503,7 @@ def test_local_window_matches_numpy(backend, block, causal, window, getkey):
             backend=backend,
             block_size=block,
         )
-        vis = np_visible(
+        vis = ref.decode_visible(
             batch,
             q_seq,
             heads,
@@ -586,11 +514,11 @@ def test_local_window_matches_numpy(backend, block, causal, window, getkey):
             window=window,
             mask=None,
         )
-        check(out, lse, *np_attention(q, k, v, vis), jnp.float32)
+        check_out_lse(out, lse, *ref.decode_attention(q, k, v, vis), jnp.float32)
 
 
 def test_local_window_int_is_symmetric_and_checked(getkey):
-    q, k, v = make(getkey, 1, 6, 2, 2, 6, 8)
+    q, k, v = make_decode_qkv(getkey, 1, 6, 2, 2, 6, 8)
     a, _ = flash_attention(q, k, v, local_window_size=2, backend="xla")
     b, _ = flash_attention(q, k, v, local_window_size=(2, 2), backend="xla")
     np.testing.assert_array_equal(a, b)
@@ -609,7 +537,7 @@ def test_mask_and_bias_match_numpy(backend, block, mask_shape, getkey):
     are, combined with causality, a partly filled cache and a window; a fully masked row
     gives (0, -inf)."""
     batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 5, 4, 2, 13, 8
-    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    q, k, v = make_decode_qkv(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
     mask = jax.random.bernoulli(getkey(), 0.7, mask_shape)
     mask = mask.at[..., 0, :].set(False)  # query 0 sees no key at all
     bias = jax.random.normal(getkey(), mask_shape)
@@ -618,7 +546,7 @@ def test_mask_and_bias_match_numpy(backend, block, mask_shape, getkey):
     out, lse = flash_attention(
         q, k, v, mask=mask, bias=bias, backend=backend, block_size=block, **kw
     )
-    vis = np_visible(
+    vis = ref.decode_visible(
         batch,
         q_seq,
         heads,
@@ -629,12 +557,12 @@ def test_mask_and_bias_match_numpy(backend, block, mask_shape, getkey):
         window=None,
         mask=mask,
     )
-    check(out, lse, *np_attention(q, k, v, vis, bias), jnp.float32)
+    check_out_lse(out, lse, *ref.decode_attention(q, k, v, vis, bias), jnp.float32)
     assert not np.any(np.asarray(out[:, 0])) and np.all(np.isneginf(lse[:, 0]))
     windowed, _ = flash_attention(
         q, k, v, mask=mask, local_window_size=(2, 0), backend=backend, block_size=block, **kw
     )
-    vis_w = vis & np_visible(
+    vis_w = vis & ref.decode_visible(
         batch,
         q_seq,
         heads,
@@ -645,7 +573,7 @@ def test_mask_and_bias_match_numpy(backend, block, mask_shape, getkey):
         window=(2, 0),
         mask=None,
     )
-    assert ref.rel_err(windowed, np_attention(q, k, v, vis_w)[0]) <= TOL[jnp.float32]
+    assert ref.rel_err(windowed, ref.decode_attention(q, k, v, vis_w)[0]) <= TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("bias_shape", [(2, 4, 3, 10), (1, 4, 1, 10), (3, 10)], ids=str)
@@ -653,7 +581,7 @@ def test_mask_and_bias_match_numpy(backend, block, mask_shape, getkey):
 def test_bias_gradient_matches_reference(block, bias_shape, getkey):
     """The bias is differentiable through the shared blockwise backward (summed over the axes
     it broadcasts along), as are q, k, v with a mask and a window."""
-    q, k, v = make(getkey, 2, 3, 4, 2, 10, 8)
+    q, k, v = make_decode_qkv(getkey, 2, 3, 4, 2, 10, 8)
     bias = jax.random.normal(getkey(), bias_shape)
     mask = jax.random.bernoulli(getkey(), 0.8, (2, 1, 3, 10))
     w = jax.random.normal(getkey(), (2, 3, 4, 8))
@@ -681,7 +609,7 @@ def test_bias_gradient_matches_reference(block, bias_shape, getkey):
 
 
 def test_mask_bias_checks_and_refusals(getkey):
-    q, k, v = make(getkey, 2, 1, 4, 2, 16, 8)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 4, 2, 16, 8)
     with pytest.raises(ValueError, match=r"mask must broadcast to \[batch, heads, q_seq, kv_seq"):
         flash_attention(q, k, v, mask=jnp.ones((3, 16), bool))
     with pytest.raises(ValueError, match="mask must be boolean"):
@@ -711,7 +639,7 @@ def test_tree_and_ring_with_window_mask_and_bias(kind, p, getkey):
     queries at the end of each row's filled part: every shard applies the window by absolute
     position and its own slice of the mask and bias (the C++ kernel: the window only)."""
     batch, q_seq, heads, kv_heads, kv_seq, dim = 2, 2, 4, 2, 22, 8
-    q, k, v = make(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
+    q, k, v = make_decode_qkv(getkey, batch, q_seq, heads, kv_heads, kv_seq, dim)
     kv_length = np.asarray([22, 15])
     mask = jax.random.bernoulli(getkey(), 0.8, (batch, 1, q_seq, kv_seq))
     bias = jax.random.normal(getkey(), (1, heads, q_seq, kv_seq))
@@ -724,7 +652,7 @@ def test_tree_and_ring_with_window_mask_and_bias(kind, p, getkey):
         out = decode_fn(kind, p, kv_layout="bhsd", **kw)(
             q, to_layout(k, "bhsd"), to_layout(v, "bhsd")
         )
-        vis = np_visible(
+        vis = ref.decode_visible(
             batch,
             q_seq,
             heads,
@@ -735,5 +663,5 @@ def test_tree_and_ring_with_window_mask_and_bias(kind, p, getkey):
             window=window,
             mask=None if backend == "cpu" else mask,
         )
-        expected, _ = np_attention(q, k, v, vis, None if backend == "cpu" else bias)
+        expected, _ = ref.decode_attention(q, k, v, vis, None if backend == "cpu" else bias)
         assert ref.rel_err(out, expected) <= TOL[jnp.float32], backend

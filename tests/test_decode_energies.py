@@ -1,5 +1,5 @@
 """treeattn.decode with energy=: flash_attention, tree_decode and ring_decode of every shipped
-energy against the float64 NumPy references of test_energies, over a KV cache (filled
+energy against float64 NumPy (np_reference.energy_attention), over a KV cache (filled
 lengths, causal chunks, windows, masks, GQA, a round-robin cache's positions), on 1-8 devices."""
 
 import jax
@@ -7,9 +7,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from test_energies import ENERGIES, HEADS, make_energy, mesh_of, reference
-from test_energy import TOL
+from helpers import HEADS, TOL, energy_reference, make_energy, mesh_of, two_level_mesh
 
 from treeattn.decode import (
     BackendUnavailable,
@@ -52,8 +50,7 @@ def expected(case, q, k, v, lengths, offsets, *, causal=True, mask=None, window=
             j = np.arange(n)[None, :]
             vis &= ((i - j <= window[0]) & (j - i <= window[1]))[None]
         kw = {"causal": causal, "q_offset": int(offset), "mask": vis}
-        name, params = ENERGIES[case]
-        outs.append(reference(name, params, q[b], k[b, :n], v[b, :n], **kw)[0])
+        outs.append(energy_reference(case, q[b], k[b, :n], v[b, :n], **kw)[0])
     return np.stack(outs)
 
 
@@ -74,6 +71,7 @@ STEP_CASES = [  # (energy, devices, layout): every device count and layout, few 
 ]
 
 
+@pytest.mark.fast(case="sigmoid_bias", p=4, kv_layout="bhsd")
 @pytest.mark.parametrize("case, p, kv_layout", STEP_CASES)
 def test_decode_step(case, p, kv_layout, getkey):
     """One query after a cache of rows filled to different lengths, with a mask: flash, tree
@@ -322,8 +320,7 @@ def test_every_schedule(reduction, getkey):
     q, k, v = make_cache(getkey, 2, 1, 16)
     lengths = np.array([6, 16])
     if reduction == "hierarchical":
-        mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "local"))
-        tree = {"mesh": mesh, "kv_axis": ("node", "local")}
+        tree = {"mesh": two_level_mesh(2, 2), "kv_axis": ("node", "local")}
     else:
         tree = {"mesh": mesh_of(4), "kv_axis": "kv"}
     for case in CASES:

@@ -12,6 +12,7 @@ PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+@pytest.mark.fast(page=ROOT / "README.md")
 @pytest.mark.parametrize("page", [p for p in PAGES if BLOCK.search(p.read_text())], ids=str)
 def test_page_examples_run(page):
     namespace: dict = {}

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from test_decode import np_attention, np_visible
 
 from treeattn.decode import BackendUnavailable, dot_product_attention, select_backend
 
@@ -74,7 +73,7 @@ def numpy_dpa(q, k, v, *, bias=None, mask=None, causal=False, window=None, q_len
     batch, q_seq, heads, _ = q.shape
     kv_seq = k.shape[1]
     kv_len = np.full(batch, kv_seq) if kv_len is None else np.asarray(kv_len)
-    vis = np_visible(
+    vis = ref.decode_visible(
         batch,
         q_seq,
         heads,
@@ -90,7 +89,7 @@ def numpy_dpa(q, k, v, *, bias=None, mask=None, causal=False, window=None, q_len
             (batch, heads, q_seq, kv_seq),
         ),
     )
-    out, _ = np_attention(q, k, v, vis, bias)
+    out, _ = ref.decode_attention(q, k, v, vis, bias)
     seen = np.transpose(vis.any(-1), (0, 2, 1))  # [batch, q_seq, heads]
     # jax's result for a row that sees no key: the plain average of all the values.
     group = heads // k.shape[2]

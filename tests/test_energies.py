@@ -1,5 +1,5 @@
-"""Energies as values: every shipped energy (and one written here) against float64 NumPy, on
-one device and sharded over 1-8, with its gradients and its communication."""
+"""Energies as values: every shipped energy (and a user-defined one, helpers.ReLU2) against
+float64 NumPy, on one device and sharded over 1-8, with its gradients and its communication."""
 
 import functools
 import re
@@ -9,14 +9,23 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh, PartitionSpec as P
+from helpers import (
+    GRID,
+    HEADS,
+    TOL,
+    ReLU2,
+    energy_reference,
+    make_energy,
+    make_masking,
+    make_qkv,
+    mesh_of,
+    np_kw,
+    two_level_mesh,
+)
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
-from test_energy import TOL, make_masking, make_qkv, np_kw
 
 from treeattn.energy import (
-    SUM,
-    Energy,
     LinearKernel,
     Sigmoid,
     Softmax,
@@ -32,139 +41,6 @@ from treeattn.energy import (
     value_covariance,
 )
 from treeattn.profiling import collective_stats
-
-
-# ---------------------------------------------------------------------------------------------
-# A user-defined energy: a sum monoid, nothing else written
-# ---------------------------------------------------------------------------------------------
-
-
-class ReLU2(Energy):
-    """F = sum_a relu(x_a + zeta.v_a)^2 / 2: attention sum_a relu(x_a) v_a."""
-
-    monoid = SUM
-
-    def elements(self, x, tilt, ctx):
-        return 0.5 * jax.nn.relu(x + tilt) ** 2
-
-
-# ---------------------------------------------------------------------------------------------
-# Independent float64 references: per (head, query) row, the distribution the energy puts on
-# the values, as (weights of the visible keys, mass left on "no value" or None for sums).
-# ---------------------------------------------------------------------------------------------
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def _phi(x):  # elu + 1
-    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
-
-
-def _row_weights(name, params, x, h, i_pos, pos, qf, kf, n_total):
-    """Weights of the visible keys of one row (key positions `pos`, logits `x`), and whether
-    they are normalised (a distribution: its Hessian is a covariance)."""
-    if name in ("softmax", "sink"):
-        beta = params.get("beta", 1.0)
-        if params.get("softcap") is not None:
-            c = params["softcap"]
-            x = c * np.tanh(x / c)
-        if params.get("alibi") is not None:
-            x = x - params["alibi"][h] * np.abs(i_pos - pos)
-        y = beta * x
-        m = y.max() if y.size else 0.0
-        e = np.exp(y - m)
-        z = e.sum()
-        if name == "sink":
-            sink = np.broadcast_to(params["sink"], (params["heads"],))[h]
-            z = z + np.exp(beta * sink - m)
-        return (e / z if y.size else e), beta
-    if name == "sigmoid":
-        b = -np.log(n_total) if params.get("bias") is None else params["bias"]
-        s = _sigmoid(x + b)
-        return s, s * (1 - s)
-    if name == "linear":
-        w = _phi(kf) @ _phi(qf)
-        return (w / w.sum() if w.size else w), 1.0
-    if name == "stick":
-        beta = _sigmoid(x)
-        order = np.argsort(pos)
-        a = np.zeros_like(beta)
-        remaining = 1.0
-        for j in order[::-1]:  # the latest key breaks its share off first
-            a[j] = beta[j] * remaining
-            remaining *= 1 - beta[j]
-        return a, 1.0
-    if name == "relu2":
-        return np.maximum(x, 0.0), (x > 0).astype(float)
-    raise ValueError(name)
-
-
-def reference(name, params, q, k, v, *, causal=False, mask=None, q_offset=0):
-    """Attention [q_seq, heads, dv] and the Hessian of F_i,h in zeta [q_seq, heads, dv, dv]."""
-    x = ref.logits(q, k)
-    qf, kf = ref.f64(q), ref.f64(k)
-    heads, q_seq, kv_seq = x.shape
-    group = heads // kf.shape[1]
-    vh = ref.values_for_heads(v, heads)
-    vis = ref.visible(q_seq, kv_seq, heads, causal=causal, mask=mask, q_offset=q_offset)
-    dv = vh.shape[-1]
-    out = np.zeros((q_seq, heads, dv))
-    hess = np.zeros((q_seq, heads, dv, dv))
-    params = {**params, "heads": heads}
-    for h in range(heads):
-        for i in range(q_seq):
-            row = vis[h, i]
-            pos = np.arange(kv_seq)[row]
-            w, curv = _row_weights(
-                name,
-                params,
-                x[h, i, row],
-                h,
-                q_offset + i,
-                pos,
-                qf[i, h],
-                kf[row, h // group],
-                kv_seq,
-            )
-            vals = vh[h, row]
-            out[i, h] = w @ vals
-            if name in ("sigmoid", "relu2"):  # a sum: Hessian sum_a F''_a v v^T
-                hess[i, h] = np.einsum("a,ai,aj->ij", curv, vals, vals)
-            else:  # a distribution (sinks and the rest of the stick carry the value 0)
-                second = np.einsum("a,ai,aj->ij", w, vals, vals)
-                hess[i, h] = curv * (second - np.outer(out[i, h], out[i, h]))
-    return out, hess
-
-
-HEADS = 4
-ENERGIES = {
-    "softmax_beta": ("softmax", {"beta": 1.7}),
-    "softmax_softcap_alibi": (
-        "softmax",
-        {"softcap": 1.5, "alibi": np.array([0.5, 0.25, 0.125, 0.0625])},
-    ),
-    "sink": ("sink", {"sink": np.array([0.3, -1.0, 2.0, 0.0]), "beta": 1.0}),
-    "softmax1": ("sink", {"sink": 0.0}),
-    "sigmoid": ("sigmoid", {}),
-    "sigmoid_bias": ("sigmoid", {"bias": 0.4}),
-    "linear": ("linear", {}),
-    "stick": ("stick", {}),
-    "relu2": ("relu2", {}),
-}
-
-
-def make_energy(case):
-    name, p = ENERGIES[case]
-    if name == "softmax":
-        alibi = None if p.get("alibi") is None else jnp.asarray(p["alibi"], jnp.float32)
-        return Softmax(beta=p.get("beta", 1.0), softcap=p.get("softcap"), alibi_slopes=alibi)
-    if name == "sink":
-        return SoftmaxWithSink(sink=jnp.asarray(p["sink"], jnp.float32))
-    if name == "sigmoid":
-        return Sigmoid(bias=p.get("bias"))
-    return {"linear": LinearKernel, "stick": StickBreaking, "relu2": ReLU2}[name]()
 
 
 SHAPES = [(5, 13, HEADS, 2, 8, 3), (4, 6, HEADS, 4, 4, 2)]  # GQA, MHA
@@ -183,12 +59,12 @@ def call(fn, energy, q, k, v, **kw):
 @pytest.mark.parametrize(
     "shape, masking", [(SHAPES[0], "causal_mask3d"), (SHAPES[1], "causal_cache")], ids=str
 )
-@pytest.mark.parametrize("case", ENERGIES)
+@pytest.mark.parametrize("case", GRID)
 def test_attention_and_hessian_match_numpy(case, shape, masking, getkey):
     q, k, v = make_qkv(getkey, shape, jnp.float32)
     kw = make_masking(getkey, shape, masking)
     energy = make_energy(case)
-    expected, hessian = reference(*ENERGIES[case], q, k, v, **np_kw(kw))
+    expected, hessian = energy_reference(case, q, k, v, **np_kw(kw))
     out = call(energy_attention, energy, q, k, v, **kw)
     assert out.dtype == jnp.float32
     assert ref.rel_err(out, expected) <= TOL[jnp.float32]
@@ -196,17 +72,17 @@ def test_attention_and_hessian_match_numpy(case, shape, masking, getkey):
     assert ref.rel_err(cov, hessian) <= 5 * TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("case", ENERGIES)
+@pytest.mark.parametrize("case", GRID)
 def test_bfloat16(case, getkey):
     shape = SHAPES[0]
     q, k, v = make_qkv(getkey, shape, jnp.bfloat16)
     kw = {"causal": True, "q_offset": shape[1] - shape[0]}
     out = call(energy_attention, make_energy(case), q, k, v, **kw)
     assert out.dtype == jnp.bfloat16
-    assert ref.rel_err(out, reference(*ENERGIES[case], q, k, v, **kw)[0]) <= TOL[jnp.bfloat16]
+    assert ref.rel_err(out, energy_reference(case, q, k, v, **kw)[0]) <= TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("case", ENERGIES)
+@pytest.mark.parametrize("case", GRID)
 def test_free_energy_gradient_is_attention_and_rows_without_keys(case, getkey):
     """dF/dzeta at 0 is attention; a row that sees no key gives 0 and finite gradients."""
     shape = SHAPES[0]
@@ -252,7 +128,7 @@ def test_stick_breaking_with_vanishing_weights(getkey):
     q, k = q * 0.05 + 4.6, k * 0.05 - 4.6  # s q.k about -4.6^2 * 8 / sqrt(8) ~ -60
     mask = jax.random.bernoulli(getkey(), 0.7, (HEADS, shape[0], shape[1])).at[:, 0].set(False)
     kw = {"causal": True, "q_offset": 8, "mask": mask}
-    expected, hessian = reference("stick", {}, q, k, v, **np_kw(kw))
+    expected, hessian = ref.energy_attention("stick", {}, q, k, v, **np_kw(kw))
     assert 1e-30 < np.abs(expected).max() < 1e-20
     out = call(energy_attention, StickBreaking(), q, k, v, **kw)
     cov = call(value_covariance, StickBreaking(), q, k, v, **kw)
@@ -270,7 +146,7 @@ def test_default_is_todays_softmax(getkey):
     np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)  # the general path, same result
 
 
-@pytest.mark.parametrize("case", [*ENERGIES, "default"])
+@pytest.mark.parametrize("case", [*GRID, "default"])
 def test_attention_reference_matches_numpy(case, getkey):
     """The float32 twin, written from each energy's definition key by key, against float64."""
     shape = SHAPES[0]
@@ -280,11 +156,13 @@ def test_attention_reference_matches_numpy(case, getkey):
     mask[1, 2] = False  # a row with no visible key gives 0
     kw["mask"] = jnp.asarray(mask)
     energy = Softmax() if case == "default" else make_energy(case)
-    name, params = ("softmax", {}) if case == "default" else ENERGIES[case]
-    expected = reference(name, params, q, k, v, **np_kw(kw))[0]
+    if case == "default":
+        expected = ref.energy_attention("softmax", {}, q, k, v, **np_kw(kw))[0]
+    else:
+        expected = energy_reference(case, q, k, v, **np_kw(kw))[0]
     out = call(attention_reference, energy, q, k, v, **kw)
     assert out.dtype == jnp.float32
-    assert ref.rel_err(out, expected) <= 2e-5
+    assert ref.rel_err(out, expected) <= TOL[jnp.float32]
     assert np.all(np.asarray(out)[2, 1] == 0)
 
 
@@ -411,7 +289,7 @@ def test_vmap_gradient_matches_unbatched_and_numpy(name, getkey):
 
     def numpy_loss(q, k, v, p):
         out = [
-            reference(name, p, q[b], k[b], v[b], causal=True, q_offset=q_offset)[0]
+            ref.energy_attention(name, p, q[b], k[b], v[b], causal=True, q_offset=q_offset)[0]
             for b in range(batch)
         ]
         return float(np.sum(ref.f64(w) * np.stack(out)))
@@ -441,10 +319,6 @@ def test_vmap_gradient_matches_unbatched_and_numpy(name, getkey):
 # ---------------------------------------------------------------------------------------------
 
 
-def mesh_of(p):
-    return Mesh(np.array(devices(p)), ("kv",))
-
-
 TREE_CASES = ["softmax_beta", "sink", "sigmoid", "linear", "stick", "relu2"]
 
 
@@ -471,6 +345,7 @@ TREE_SCHEDULE_CASES = [
 ]
 
 
+@pytest.mark.fast(case="sink", p=8, reduction="allreduce")
 @pytest.mark.parametrize("case, p, reduction", TREE_SCHEDULE_CASES, ids=str)
 def test_tree_matches_unsharded(case, p, reduction, getkey):
     shape = (3, 21, HEADS, 2, 8, 3)  # 21 keys: padded on 2, 4 and 8 devices
@@ -479,7 +354,7 @@ def test_tree_matches_unsharded(case, p, reduction, getkey):
     energy = make_energy(case)
     kw = {"causal": True, "q_offset": 18}
     if reduction == "hierarchical":
-        mesh = Mesh(np.array(devices(p)).reshape(2, p // 2), ("node", "local"))
+        mesh = two_level_mesh(2, p // 2)
         tree = {"mesh": mesh, "kv_axis": ("node", "local")}
     else:
         tree = {"mesh": mesh_of(p), "kv_axis": "kv"}
@@ -497,7 +372,7 @@ def test_tree_matches_unsharded(case, p, reduction, getkey):
     np.testing.assert_allclose(f, f0, rtol=2e-5, atol=1e-5)
     for g, g0 in zip(grads, grads0, strict=True):
         assert ref.rel_err(g, g0) <= 2e-5
-    assert ref.rel_err(out, reference(*ENERGIES[case], q, k, v, **kw)[0]) <= TOL[jnp.float32]
+    assert ref.rel_err(out, energy_reference(case, q, k, v, **kw)[0]) <= TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("case", ["sink", "sigmoid_bias", "softmax_softcap_alibi"])
@@ -543,7 +418,7 @@ def test_permuted_shard_order(case, getkey):
     mapped = jax.jit(mapped)
     f, out = mapped(q, k[blocks], v[blocks], zeta, offsets)
     np.testing.assert_allclose(f, multihead_free_energy(q, k, v, zeta, energy=energy, **kw), 2e-5)
-    assert ref.rel_err(out, reference(*ENERGIES[case], q, k, v, **kw)[0]) <= TOL[jnp.float32]
+    assert ref.rel_err(out, energy_reference(case, q, k, v, **kw)[0]) <= TOL[jnp.float32]
 
 
 @pytest.mark.parametrize(
@@ -582,15 +457,16 @@ def test_collectives(case, forward, both, attention):
 
 
 def test_user_energy_everywhere(getkey):
-    """The energy written above gets attention, covariance and the tree form with no other code."""
+    """A user-defined energy (helpers.ReLU2: its elements and monoid) gets attention, covariance
+    and the tree form with no other code."""
     shape = SHAPES[0]
     q, k, v = make_qkv(getkey, shape, jnp.float32)
     kw = {"causal": True, "q_offset": shape[1] - shape[0]}
-    out, hess = reference("relu2", {}, q, k, v, **kw)
-    assert ref.rel_err(energy_attention(q, k, v, energy=ReLU2(), **kw), out) <= 2e-5
+    out, hess = ref.energy_attention("relu2", {}, q, k, v, **kw)
+    assert ref.rel_err(energy_attention(q, k, v, energy=ReLU2(), **kw), out) <= TOL[jnp.float32]
     assert ref.rel_err(value_covariance(q, k, v, energy=ReLU2(), **kw), hess) <= 1e-4
     tree = tree_energy_attention(q, k, v, mesh=mesh_of(4), kv_axis="kv", energy=ReLU2(), **kw)
-    assert ref.rel_err(tree, out) <= 2e-5
+    assert ref.rel_err(tree, out) <= TOL[jnp.float32]
 
 
 def test_errors(getkey):
@@ -623,10 +499,11 @@ def test_blockwise_matches_materialised(case, getkey):
     blocked, whole = run(q, k, v, zeta, 8), run(q, k, v, zeta, None)
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole), strict=True):
         assert ref.rel_err(a, b) <= 2e-5
-    expected = reference(*ENERGIES[case], q, k, v, causal=True, q_offset=28, mask=np.asarray(mask))
+    expected = energy_reference(case, q, k, v, causal=True, q_offset=28, mask=np.asarray(mask))
     assert ref.rel_err(blocked[2], expected[0]) <= TOL[jnp.float32]
 
 
+@pytest.mark.slow
 def test_blockwise_check_grads(getkey):
     with jax.enable_x64(True):
         q, k, v = make_qkv(getkey, (2, 7, 2, 1, 3, 2), jnp.float64)
@@ -675,5 +552,5 @@ def test_tree_decode(case, kv_layout, getkey):
     kw = {"mesh": mesh_of(4), "kv_axis": "kv", "kv_layout": kv_layout, "energy": energy}
     out = tree_decode(q, layout(k), layout(v), kv_length=jnp.asarray(lengths), **kw)
     for b, n in enumerate(lengths):
-        expected = reference(*ENERGIES[case], q[b], k[b, :n], v[b, :n], causal=True, q_offset=n - 1)
+        expected = energy_reference(case, q[b], k[b, :n], v[b, :n], causal=True, q_offset=n - 1)
         assert ref.rel_err(out[b], expected[0]) <= TOL[jnp.float32]

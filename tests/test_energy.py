@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
+from helpers import TOL, make_masking, make_qkv, np_kw
 from hypothesis import given, strategies as st
 from jax.test_util import check_grads
 
@@ -20,14 +21,6 @@ from treeattn.energy import (
 )
 
 
-# Normwise relative error allowed, by input dtype (outputs are rounded to it).
-TOL = {
-    jnp.float64: 1e-12,
-    jnp.float32: 2e-5,
-    jnp.float16: 3e-3,
-    jnp.bfloat16: 2e-2,
-}
-
 # (q_seq, kv_seq, heads, kv_heads, qk, dv)
 SHAPES = [
     (1, 1, 1, 1, 4, 4),
@@ -37,36 +30,6 @@ SHAPES = [
     (6, 4, 2, 2, 1, 3),  # more queries than keys
 ]
 MASKINGS = ["none", "causal", "causal_cache", "mask2d", "mask3d", "causal_mask3d"]
-
-
-def make_qkv(getkey, shape, dtype):
-    q_seq, kv_seq, heads, kv_heads, qk, dv = shape
-    q = jax.random.normal(getkey(), (q_seq, heads, qk), dtype)
-    k = jax.random.normal(getkey(), (kv_seq, kv_heads, qk), dtype)
-    v = jax.random.normal(getkey(), (kv_seq, kv_heads, dv), dtype)
-    return q, k, v
-
-
-def make_masking(getkey, shape, masking):
-    """Keyword arguments for one masking configuration (the same for treeattn and NumPy)."""
-    q_seq, kv_seq, heads = shape[:3]
-    kw: dict = {}
-    if masking.startswith("causal"):
-        kw["causal"] = True
-    if masking == "causal_cache":
-        kw["q_offset"] = kv_seq - q_seq  # bottom-right: the queries are the last positions
-    if masking == "mask2d":
-        kw["mask"] = jax.random.bernoulli(getkey(), 0.6, (q_seq, kv_seq))
-    if masking in ("mask3d", "causal_mask3d"):
-        kw["mask"] = jax.random.bernoulli(getkey(), 0.6, (heads, q_seq, kv_seq))
-    return kw
-
-
-def np_kw(kw):
-    out = dict(kw)
-    if "mask" in out:
-        out["mask"] = np.asarray(out["mask"])
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "causal"))
@@ -87,6 +50,7 @@ ATTENTION_CASES = [(shape, masking, jnp.float32) for shape in SHAPES for masking
 ]
 
 
+@pytest.mark.fast(fn=energy_attention, shape=SHAPES[2], masking="causal_cache", dtype=jnp.float32)
 @pytest.mark.parametrize(
     "shape, masking, dtype",
     ATTENTION_CASES,
@@ -342,7 +306,7 @@ def test_vmap_over_batch(getkey):
     out = jax.vmap(lambda q, k, v: energy_attention(q, k, v, causal=True, q_offset=2))(q, k, v)
     for b in range(3):
         expected = ref.attention(q[b], k[b], v[b], causal=True, q_offset=2)
-        assert ref.rel_err(out[b], expected) <= 2e-5
+        assert ref.rel_err(out[b], expected) <= TOL[jnp.float32]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,23 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
+from helpers import backend_of
 
-from treeattn.models import AttentionBackend, MultiheadAttention
-
-
-def tree(p):
-    return AttentionBackend("tree", mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
+from treeattn.models import MultiheadAttention
 
 
 BACKENDS = ["energy", "reference", "flash", "tree"]
 MASK_BACKENDS = BACKENDS  # every backend takes an arbitrary boolean mask
 PROJECTIONS = ("query_proj", "key_proj", "value_proj", "output_proj")
-
-
-def backend_of(name):
-    return tree(2) if name == "tree" else name
 
 
 def standard(fn, *args, **kwargs):
@@ -244,6 +235,7 @@ MASK_CASES = [
 ]
 
 
+@pytest.mark.fast(backend="energy", mask_kind="3d", biases=True)
 @pytest.mark.parametrize("biases", [False, True])
 @pytest.mark.parametrize("backend, mask_kind", MASK_CASES)
 def test_random_masks_and_biases_match_equinox(backend, biases, mask_kind, getkey):

@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("energy", ["softmax", "sigmoid", "stick-breaking"])
 def test_energy_transformer_descends_its_energy(energy, tmp_path):
     plot, out = tmp_path / "energy.png", tmp_path / "energy.json"

@@ -16,24 +16,19 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh, PartitionSpec as P
+from helpers import TOL, mesh_of
+from jax.sharding import PartitionSpec as P
 
 from treeattn import decode, energy
 from treeattn.models import MultiheadAttention
 
 
-TOL32 = 2e-5  # normwise relative error of a float32 result against float64
 POISONS = {"nan": np.nan, "inf": np.inf}
 
 # Unbatched energy problems: q [T, H, D], k/v [S, HK, D].
 T, S, H, HK, D = 4, 16, 4, 2, 8
 CAUSAL_OFFSET = 8  # query i sits at 8 + i: keys 12..15 are in every query's future
 MASK_HIDDEN = (3, 7, 12, 13)  # key slots the mask hides from every query and head
-
-
-def mesh_of(p):
-    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def hide(x, hidden, value):
@@ -74,7 +69,7 @@ def _labelled_leaves(tree):
     ]
 
 
-def check_blind(fn, q, k, v, hidden, poison, expected, *, tol=TOL32):
+def check_blind(fn, q, k, v, hidden, poison, expected, *, tol=TOL[jnp.float32]):
     """`fn(q, k, v)` (a pytree of arrays) must not see the `hidden` key slots.
 
     With `poison` in those slots of K and V: every result is finite and equals `expected` (a
@@ -238,18 +233,6 @@ def decode_problem(getkey, q_seq=1, qk=D, dv=D, kv_seq=S):
     return q, k, v
 
 
-def np_flash(q, k, v, kv_length):
-    """float64 (out [B, q, H, dv], lse [B, q, H]) over the first kv_length[b] keys of row b."""
-    outs, lses = [], []
-    for b in range(q.shape[0]):
-        mask = np.zeros((q.shape[1], k.shape[1]), bool)
-        mask[:, : kv_length[b]] = True
-        outs.append(ref.attention(q[b], k[b], v[b], mask=mask))
-        zeta = np.zeros((q.shape[1], q.shape[2], v.shape[-1]))
-        lses.append(ref.free_energy_terms(q[b], k[b], v[b], zeta, mask=mask))
-    return np.stack(outs), np.stack(lses)
-
-
 def _unfilled(kv_seq=S):
     return np.arange(kv_seq)[None, :] >= np.asarray(KV_LENGTH)[:, None]  # [B, S]
 
@@ -271,7 +254,7 @@ def test_hidden_poison_flash_attention(backend, block, poison, getkey):
         fn(q, k, v)
     except decode.BackendUnavailable as e:
         pytest.skip(str(e))
-    out, lse = np_flash(q, hide(k, hidden, 0.0), hide(v, hidden, 0.0), KV_LENGTH)
+    out, lse = ref.decode(q, hide(k, hidden, 0.0), hide(v, hidden, 0.0), KV_LENGTH)
     check_blind(fn, q, k, v, hidden, POISONS[poison], (out, lse))
 
 
@@ -284,7 +267,7 @@ def test_hidden_poison_tree_and_ring_decode(schedule, p, backend, poison, getkey
     run = decode.tree_decode if schedule == "tree" else decode.ring_decode
     kw = dict(mesh=mesh_of(p), kv_axis="kv", kv_length=jnp.asarray(KV_LENGTH), backend=backend)
     fn = jax.jit(lambda q, k, v: run(q, k, v, **kw))
-    out, _ = np_flash(q, hide(k, hidden, 0.0), hide(v, hidden, 0.0), KV_LENGTH)
+    out, _ = ref.decode(q, hide(k, hidden, 0.0), hide(v, hidden, 0.0), KV_LENGTH)
     check_blind(fn, q, k, v, hidden, POISONS[poison], out)
 
 
@@ -318,7 +301,7 @@ def test_nan_query_energy_attention(masking, getkey):
     others = np.arange(T) != NAN_ROW
     expected = ref.attention(q, k, v, **ref_kw)[others]
     assert np.all(np.isfinite(out[others]))
-    assert ref.rel_err(out[others], expected) <= TOL32
+    assert ref.rel_err(out[others], expected) <= TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("backend", ["xla", "reference", "cpu"])
@@ -333,10 +316,10 @@ def test_nan_query_flash_attention(backend, getkey):
     out, lse = np.asarray(out), np.asarray(lse)
     assert np.all(np.isnan(out[0, NAN_ROW])), f"out of a NaN query: {out[0, NAN_ROW, 0]}"
     assert np.all(np.isnan(lse[0, NAN_ROW])), f"lse of a NaN query: {lse[0, NAN_ROW]}"
-    exp_out, exp_lse = np_flash(q, k, v, KV_LENGTH)
+    exp_out, exp_lse = ref.decode(q, k, v, KV_LENGTH)
     good = np.ones((B, 2), bool)
     good[0, NAN_ROW] = False
-    assert ref.rel_err(out[good], exp_out[good]) <= TOL32
+    assert ref.rel_err(out[good], exp_out[good]) <= TOL[jnp.float32]
     np.testing.assert_allclose(lse[good], exp_lse[good], rtol=1e-5, atol=1e-5)
 
 
@@ -455,11 +438,11 @@ def test_value_dim_other_than_head_dim(getkey):
     message = str(info.value)
     assert "flash_attn_jax" in message and re.search(rf"\bqk={qk}, dv={dv}\b", message), message
     kv_length = jnp.asarray([32, 9])
-    exp_out, exp_lse = np_flash(q, k, v, [32, 9])
+    exp_out, exp_lse = ref.decode(q, k, v, [32, 9])
     for backend in ("auto", "pallas"):
         out, lse = decode.flash_attention(q, k, v, kv_length=kv_length, backend=backend)
         assert out.shape == (B, 1, H, dv)
-        assert ref.rel_err(out, exp_out) <= TOL32
+        assert ref.rel_err(out, exp_out) <= TOL[jnp.float32]
         np.testing.assert_allclose(lse, exp_lse, rtol=1e-5, atol=1e-5)
 
 

@@ -23,10 +23,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
-from test_decode import check, make, np_decode
-from test_energy import TOL
+from helpers import TOL, check_out_lse, make_decode_qkv, mesh_of
 
 from treeattn.decode import (
     BackendUnavailable,
@@ -318,7 +315,7 @@ def test_export_for_cuda_from_a_cpu_host():
 @pytest.mark.parametrize("backend", ["auto", "pallas", "xla", "cpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_tree_decode_lowers_for_cuda(backend, dtype):
-    mesh = Mesh(np.array(devices(4)), ("kv",))
+    mesh = mesh_of(4)
     args = (
         S((2, 1, 8, 80), dtype),
         S((2, 2, 512, 80), dtype),
@@ -350,7 +347,7 @@ def test_window_mask_bias_lower_for_cuda(path, backend, feature):
     backend that takes it ("auto" falls back to one); a backend that refuses it raises
     `BackendUnavailable` naming it when the program is lowered for CUDA."""
     dtype = jnp.bfloat16
-    mesh = Mesh(np.array(devices(4)), ("kv",))
+    mesh = mesh_of(4)
     args = (
         S((2, 1, 8, 64), dtype),
         S((2, 2, 256, 64), dtype),
@@ -393,7 +390,7 @@ def test_model_decode_step_lowers_for_cuda(path, dtype, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("equinox._errors"), "EQX_ON_ERROR", "nan")
 
-    mesh = Mesh(np.array(devices(2)), ("kv",)) if path.startswith("tree") else None
+    mesh = mesh_of(2) if path.startswith("tree") else None
     name, _, kernel = path.partition("-")
     backend = AttentionBackend(
         name, kernel=kernel or "auto", mesh=mesh, kv_axis="kv" if mesh else None
@@ -466,7 +463,7 @@ def test_model_tree_decode_step_lowers_to_cudnn(cudnn, devices_, monkeypatch):
     from treeattn.models import AttentionBackend, LlamaConfig, Transformer, decode_step
 
     monkeypatch.setattr(importlib.import_module("equinox._errors"), "EQX_ON_ERROR", "nan")
-    mesh = Mesh(np.array(devices(devices_)), ("kv",))
+    mesh = mesh_of(devices_)
     backend = AttentionBackend("tree", kernel="cudnn", mesh=mesh, kv_axis="kv")
     config = LlamaConfig(
         vocab_size=72,
@@ -651,12 +648,12 @@ def test_pallas_pads_head_dims(qk, dv, getkey):
     v = jax.random.normal(getkey(), (2, 300, 2, dv))
     n = np.array([300, 123])
     out, lse = flash_attention(q, k, v, kv_length=n, causal=True, q_offset=n - 1, backend="pallas")
-    check(out, lse, *np_decode(q, k, v, n, causal=True, q_offset=n - 1), jnp.float32)
+    check_out_lse(out, lse, *ref.decode(q, k, v, n, causal=True, q_offset=n - 1), jnp.float32)
 
 
 def test_empty_shards_give_zero_and_minus_inf(getkey):
     """Shards past the fill point: Pallas' own normalisation would give 0/0."""
-    q, k, v = make(getkey, 2, 1, 4, 2, 64, 16)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 4, 2, 64, 16)
     # A shard past the fill point, as tree decoding sees it: traced length 0, offset < 0.
     for backend in ("pallas", "xla", "reference", "cpu"):
         f = functools.partial(flash_attention, causal=True, backend=backend)
@@ -666,10 +663,10 @@ def test_empty_shards_give_zero_and_minus_inf(getkey):
         )
         np.testing.assert_array_equal(out, 0.0)
         assert np.all(np.isneginf(lse))
-    mesh = Mesh(np.array(devices(4)), ("kv",))
+    mesh = mesh_of(4)
     k = jnp.where(jnp.arange(64)[None, :, None, None] >= 10, jnp.nan, k)  # unfilled slots: NaN
     out = tree_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_length=10, backend="pallas")
-    assert ref.rel_err(out, np_decode(q, k[:, :10], v[:, :10], 10)[0]) <= TOL[jnp.float32]
+    assert ref.rel_err(out, ref.decode(q, k[:, :10], v[:, :10], 10)[0]) <= TOL[jnp.float32]
 
 
 @cpu_only
@@ -721,7 +718,7 @@ def test_gpu_kernels_match_numpy(backend, dtype, qk, dv, q_seq, length, getkey):
     except BackendUnavailable:
         pytest.skip(f"{backend} cannot serve this call here")
     out, lse = flash_attention(q, k, v, kv_length=n if length else None, backend=backend, **kw)
-    exp_out, exp_lse = np_decode(
+    exp_out, exp_lse = ref.decode(
         np.asarray(q, np.float64),
         np.asarray(k, np.float64),
         np.asarray(v, np.float64),
@@ -742,11 +739,11 @@ def test_gpu_kernels_match_numpy(backend, dtype, qk, dv, q_seq, length, getkey):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gpu_tree_decode_matches_numpy(dtype, getkey):
     p = len(jax.devices())
-    mesh = Mesh(np.array(jax.devices()), ("kv",))
-    q, k, v = make(getkey, 2, 1, 8, 2, 256 * p, 64, dtype=dtype)
+    mesh = mesh_of(p)
+    q, k, v = make_decode_qkv(getkey, 2, 1, 8, 2, 256 * p, 64, dtype=dtype)
     n = np.array([256 * p, 100])
     out = tree_decode(q, k, v, mesh=mesh, kv_axis="kv", kv_length=n)
-    exp = np_decode(*(np.asarray(x, np.float64) for x in (q, k, v)), n)[0]
+    exp = ref.decode(*(np.asarray(x, np.float64) for x in (q, k, v)), n)[0]
     assert ref.rel_err(out, exp) <= TOL[dtype]
 
 

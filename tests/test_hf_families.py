@@ -12,9 +12,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
-from test_checkpoints import FAMILIES, hf_logits, hf_model
+from helpers import FAMILIES, backend_of, hf_logits, hf_model
 
 from treeattn.models import (
     AttentionBackend,
@@ -47,15 +45,7 @@ MISTRAL, QWEN2, QWEN3 = (
 )
 
 
-def tree(p):
-    return AttentionBackend("tree", mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
-
-
 BACKENDS = ["energy", "reference", "flash", "tree"]
-
-
-def backend_of(name):
-    return tree(2) if name == "tree" else name
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +76,7 @@ def test_logits_match_transformers(case, loaded):
         assert ref.rel_err(got, expected) <= 1e-4, backend
 
 
+@pytest.mark.slow
 def test_logits_to_keep_as_in_transformers(loaded):
     """`logits_to_keep` (an int: the last k positions; positions: those) gives transformers'
     logits for the same argument and the same rows of the full logits; on every backend
@@ -114,6 +105,7 @@ def test_logits_to_keep_as_in_transformers(loaded):
         assert ref.rel_err(got, want) <= 1e-4, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_decoding_through_the_cache_matches_the_full_forward(case, loaded):
     """A prompt fed token by token into the KV cache, then greedy steps: every logit is

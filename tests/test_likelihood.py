@@ -6,8 +6,8 @@ import np_reference as ref
 import numpy as np
 import optax
 import pytest
+from helpers import make_masking, make_qkv, np_kw
 from jax.test_util import check_grads
-from test_energy import make_masking, make_qkv, np_kw
 
 from treeattn.energy import (
     TiltedSource,

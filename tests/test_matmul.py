@@ -6,12 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TOL
 from jax.test_util import check_grads
 
 from treeattn.models._layers import matmul
 
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# One product, rounded once: float32 is held to half the table's bound, bfloat16 to the table's.
+PRODUCT_TOL = {**TOL, jnp.float32: 1e-5}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -23,7 +25,7 @@ def test_matches_float64(rows, dtype, getkey):
     assert got.shape == (*rows, 24) and got.dtype == dtype
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     scale = np.abs(want).max()
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=TOL[dtype] * scale)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=PRODUCT_TOL[dtype] * scale)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from helpers import backend_of, mesh_of, tree
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from treeattn.models import (
@@ -37,10 +38,6 @@ CONFIG = LlamaConfig(
     max_position_embeddings=4096,
 )
 MAX_LEN = 2048  # large enough that a copy of one layer's cache stands out
-
-
-def tree(p, name="tree"):
-    return AttentionBackend(name, mesh=Mesh(np.array(jax.devices()[:p]), ("kv",)), kv_axis="kv")
 
 
 def model_of(dtype=jnp.float32):
@@ -103,9 +100,9 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend, dtype):
         ("flash", 3, jnp.float32),
         ("flash", 3, jnp.bfloat16),
         ("flash", 20, jnp.bfloat16),  # more rows than are unrolled: a loop over them
-        (tree(2), 1, jnp.float32),
-        (tree(2), 3, jnp.float32),
-        (tree(2), 3, jnp.bfloat16),
+        ("tree-2", 1, jnp.float32),
+        ("tree-2", 3, jnp.float32),
+        ("tree-2", 3, jnp.bfloat16),
     ],
     ids=[
         "flash-1",
@@ -123,6 +120,7 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     scatters into, broadcasts or transposes a cache-sized buffer (each row's new token is one
     slice update, for every dtype), and the temporaries are activations only."""
     model = model_of(dtype)
+    backend = backend_of(backend)
     be = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
     mesh, axis = (be.mesh, "kv") if be.name == "tree" else (None, None)
     if mesh is not None and jax.__version_info__ < (0, 9):
@@ -248,12 +246,13 @@ def test_decode_step_donates_the_cache():
         ("reference", "bshd"),
         ("flash", "bhsd"),
         (AttentionBackend("flash", kernel="xla"), "bshd"),
-        (tree(2), "bhsd"),
-        (tree(4), "bshd"),
+        ("tree-2", "bhsd"),
+        ("tree-4", "bshd"),
     ],
     ids=["energy", "reference", "flash-auto", "flash-xla", "tree-2", "tree-4"],
 )
 def test_both_layouts_give_the_logits_of_one_full_pass(backend, layout, getkey):
+    backend = backend_of(backend)
     model = model_of()
     tokens = jax.random.randint(getkey(), (14,), 0, CONFIG.vocab_size)
     full = full_pass(model, tokens)
@@ -297,12 +296,14 @@ def prompts_alone() -> tuple[list[jax.Array], list[np.ndarray]]:
     return prompts, alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "backend", ["reference", "flash", tree(2)], ids=["reference", "flash", "tree-2"]
+    "backend", ["reference", "flash", "tree-2"], ids=["reference", "flash", "tree-2"]
 )
 def test_batched_prompts_of_different_lengths(backend):
     """Rows padded to one length (left or right) with an attention mask generate what each
     prompt generates alone."""
+    backend = backend_of(backend)
     model = model_of()
     prompts, alone = prompts_alone()
     width = max(LENGTHS)
@@ -355,11 +356,12 @@ def test_a_model_cache_appends_through_its_layers():
         KVCache.create(2, 8, 4, layout="hsd")  # type: ignore[arg-type]
 
 
+@pytest.mark.fast(p=4, block=2)
 @pytest.mark.parametrize("p, block", [(1, 1), (2, 1), (2, 3), (4, 2), (8, 2)])
 def test_shard_lengths_count_the_filled_slots(p, block):
     """`shard_lengths()` of a round-robin cache is, per shard, the number of its slots whose
     position (`positions()`) is below the length — at every length, up to overflow."""
-    mesh = Mesh(np.array(jax.devices()[:p]), ("kv",))
+    mesh = mesh_of(p)
     cache = KVCache.create(1, 5 * p * block, 2, mesh=mesh, kv_axis="kv", block=block)
     lengths = np.arange(cache.max_len + 4)
     batched = eqx.tree_at(lambda c: c.length, cache, jnp.asarray(lengths, jnp.int32))
@@ -371,6 +373,7 @@ def test_shard_lengths_count_the_filled_slots(p, block):
     assert (np.diff(held, axis=1) > 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p, name", [(2, "tree"), (4, "tree"), (8, "tree"), (4, "ring")])
 def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
     """Decode steps over a cache sharded round-robin (each shard told its fill length) give the
@@ -394,6 +397,7 @@ def test_round_robin_decode_steps_match_one_full_pass(p, name, getkey):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p, name", [(2, "tree"), (8, "tree"), (2, "ring")])
 def test_round_robin_generate_gives_the_reference_tokens(p, name, getkey):
     """Batched greedy generation with prompts of different lengths (left-padded) on a cache

@@ -8,54 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
+from helpers import MODEL, TINY_CONFIG as CONFIG, make_energy, tree
 
-from treeattn.energy import (
-    LinearKernel,
-    Sigmoid,
-    Softmax,
-    SoftmaxWithSink,
-    StickBreaking,
-    energy_attention,
-)
-from treeattn.models import (
-    AttentionBackend,
-    LlamaConfig,
-    MultiheadAttention,
-    Transformer,
-    generate,
-)
+from treeattn.energy import Sigmoid, energy_attention
+from treeattn.models import MultiheadAttention, Transformer, generate
 from treeattn.training import lm_loss
 
 
-CONFIG = LlamaConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=64,
-)
-
-ENERGIES = {
-    "softmax-beta": Softmax(beta=jnp.asarray(1.5), softcap=5.0),
-    "sink": SoftmaxWithSink(sink=jnp.asarray(0.5)),
-    # a fixed bias: the default -log n counts the key slots, which a cache changes
-    "sigmoid": Sigmoid(bias=jnp.asarray(-2.0)),
-    "linear": LinearKernel(),
-    "stick-breaking": StickBreaking(),
-}
-
-
-def tree(p, name="tree"):
-    return AttentionBackend(name, mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
-
-
-@pytest.mark.parametrize("name", list(ENERGIES))
+@pytest.mark.parametrize("name", MODEL)
 def test_layer_is_the_energy_attention_of_its_projections(name, getkey):
-    e = ENERGIES[name]
+    e = make_energy(name)
     layer = MultiheadAttention(
         2, 16, num_kv_heads=1, causal=True, energy=e, backend="flash", key=getkey()
     )
@@ -72,10 +34,11 @@ def test_layer_is_the_energy_attention_of_its_projections(name, getkey):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", list(ENERGIES))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODEL)
 def test_tree_generate_gives_the_reference_tokens(name, getkey):
     """Tree decoding, and the ring baseline, generate the reference path's tokens."""
-    model = Transformer(CONFIG, energy=ENERGIES[name], key=getkey())
+    model = Transformer(CONFIG, energy=make_energy(name), key=getkey())
     prompt = jax.random.randint(getkey(), (5,), 0, CONFIG.vocab_size)
     want = generate(model, prompt, max_new_tokens=4, backend="reference", max_len=16)
     be = tree(2)
@@ -93,9 +56,10 @@ def test_tree_generate_gives_the_reference_tokens(name, getkey):
     np.testing.assert_allclose(chosen, logits.max(-1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(ENERGIES))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODEL)
 def test_a_small_model_trains_through_each_energy(name, getkey):
-    model = Transformer(CONFIG, energy=ENERGIES[name], key=getkey())
+    model = Transformer(CONFIG, energy=make_energy(name), key=getkey())
     tokens = jnp.tile(jnp.arange(8), 3)[None]  # a repeating pattern, learnable in few steps
     opt = optax.adam(3e-2)
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -120,7 +84,7 @@ def test_a_small_model_trains_through_each_energy(name, getkey):
     # the energy's own parameters are leaves that receive a gradient
     assert grads is not None
     energy_grads = [g for g in jax.tree.leaves(grads.layers.self_attn.energy) if g is not None]
-    if name in ("softmax-beta", "sink", "sigmoid"):
+    if name in ("softmax_beta_softcap", "sink_scalar", "sigmoid_fixed_bias"):
         assert energy_grads and all(np.all(np.isfinite(g)) for g in energy_grads)
 
 

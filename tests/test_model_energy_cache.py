@@ -10,15 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
+from helpers import TINY_CONFIG, tree
 
 from treeattn.energy import LinearKernel, LinearState, Sigmoid, Softmax, StickBreaking
 from treeattn.models import (
     AttentionBackend,
     KVCache,
     LinearCache,
-    LlamaConfig,
     MultiheadAttention,
     Transformer,
     decode_step,
@@ -28,25 +26,13 @@ from treeattn.models import (
 from treeattn.models._generate import _run
 
 
-CONFIG = LlamaConfig(
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=1 << 16,
-)
+CONFIG = dataclasses.replace(TINY_CONFIG, max_position_embeddings=1 << 16)
 
 
 # Two kv heads: with one (MQA), XLA:CPU drops the unit head axis of the cache between its
 # in-place update and the products that read it, and copies the buffer to do so, on every
 # path that reads it with XLA's own products (the fused softmax kernels do not).
 GQA = dataclasses.replace(CONFIG, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-
-
-def tree(p):
-    return AttentionBackend("tree", mesh=Mesh(np.array(devices(p)), ("kv",)), kv_axis="kv")
 
 
 @eqx.filter_jit

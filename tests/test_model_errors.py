@@ -366,6 +366,7 @@ OVERFLOW_ON_TWO_DEVICES = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_overflowing_a_sharded_cache_is_an_error_not_a_hang():
     """An overflow check failing on one device of a sharded cache used to leave the other
     waiting in a collective until XLA aborted the process (after about a minute)."""

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
+from helpers import backend_of, mesh_of, tree
 
 from treeattn.models import (
     AttentionBackend,
@@ -24,14 +23,6 @@ from treeattn.models import (
     generate,
     prefill,
 )
-
-
-def mesh_of(p):
-    return Mesh(np.array(devices(p)), ("kv",))
-
-
-def tree(p):
-    return AttentionBackend("tree", mesh=mesh_of(p), kv_axis="kv")
 
 
 SMALL = LlamaConfig(
@@ -84,7 +75,7 @@ def test_sliding_window_against_numpy_and_through_the_cache(backend, getkey):
     """`local_window_size=(left, right)`: query i sees keys j with i - left <= j <= i + right
     (and j <= i when causal), against float64 NumPy; fed through a KV cache in chunks (sharded
     round-robin for "tree"), a causal window gives the full call's outputs."""
-    be = tree(2) if backend == "tree" else backend
+    be = backend_of(backend)
     x = jax.random.normal(getkey(), (11, 16))
     i, j = np.arange(11)[:, None], np.arange(11)[None, :]
     for causal, window in ((True, (3, 0)), (False, (2, 1))):
@@ -181,10 +172,11 @@ def run_decoding(model, tokens, n_prompt, backend, cache):
 
 @pytest.mark.parametrize(
     "backend",
-    BACKENDS + [tree(p) for p in (1, 2, 4, 8)],
+    BACKENDS + [f"tree-{p}" for p in (1, 2, 4, 8)],
     ids=BACKEND_IDS + [f"tree-{p}" for p in (1, 2, 4, 8)],
 )
 def test_prefill_and_decode_logits_agree(backend, getkey):
+    backend = backend_of(backend)
     model = small_model()
     tokens = jax.random.randint(getkey(), (20,), 0, SMALL.vocab_size)
     full = full_pass(model, tokens)  # one causal pass, no cache
@@ -196,6 +188,7 @@ def test_prefill_and_decode_logits_agree(backend, getkey):
     np.testing.assert_allclose(steps, full[12:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_logits_within_tolerance(getkey):
     model32 = small_model()
     model16 = jax.tree.map(
@@ -212,6 +205,7 @@ def test_bfloat16_logits_within_tolerance(getkey):
         assert ref.rel_err(got, full) <= 5e-2
 
 
+@pytest.mark.slow
 def test_greedy_generation_identical_across_backends(getkey):
     model = small_model()
     prompt = jax.random.randint(getkey(), (8,), 0, SMALL.vocab_size)
@@ -337,6 +331,7 @@ def test_causality(getkey):
         assert np.any(jac[:, :5] != 0)
 
 
+@pytest.mark.slow
 def test_training_through_energy_matches_reference(getkey):
     """The gradient of the energy path is a second derivative of F; training through it follows
     the reference's loss curve."""

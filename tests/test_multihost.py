@@ -9,11 +9,10 @@ import subprocess
 import sys
 import time
 
-import jax
 import multihost_worker as worker
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from helpers import mesh_of
 
 from treeattn.distributed import ProcessConfig, free_port, initialize, process_config_from_env
 
@@ -53,10 +52,11 @@ def alive(pid):
 @pytest.fixture(scope="module")
 def single_process():
     """The answer of one process with 8 simulated devices."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("kv",))
+    mesh = mesh_of(8)
     return worker.compute(mesh)
 
 
+@pytest.mark.slow
 def test_processes_agree_with_one_process(single_process, tmp_path):
     """Four processes of two devices each: the reduction crosses processes at more than one
     level."""
@@ -71,6 +71,7 @@ def test_processes_agree_with_one_process(single_process, tmp_path):
     np.testing.assert_array_equal(got["tokens"], tokens)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_run(tmp_path):
     """Kill one process mid-run: launch reports it, the others are gone within 60 s."""
     proc = launch(2, 2, "hang")
@@ -94,6 +95,7 @@ def test_a_killed_process_stops_the_run(tmp_path):
     assert not any(alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_survivors_stop_without_the_launcher():
     """Without `launch`, JAX's heartbeat stops the survivors: a clear error, not a hang."""
     port = str(free_port())
@@ -147,6 +149,7 @@ def test_launch_terminated_takes_its_children():
     assert not any(alive(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_mismatched_device_counts_are_named():
     port = str(free_port())
     procs = [

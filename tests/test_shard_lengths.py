@@ -7,15 +7,9 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
-from test_energy import TOL
+from helpers import TOL, mesh_of
 
 from treeattn.decode import ring_decode, tree_decode
-
-
-def mesh_of(p):
-    return Mesh(np.array(devices(p)), ("kv",))
 
 
 def np_fills(q, k, v, fills, *, devices_):

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from conftest import devices
+from helpers import TOL, make_masking, make_qkv, mesh_of, np_kw, two_level_mesh
 from hypothesis import given, strategies as st
-from jax.sharding import Mesh, PartitionSpec as P
-from test_energy import TOL, make_masking, make_qkv, np_kw
+from jax.sharding import PartitionSpec as P
 
 from treeattn.energy import (
     allreduce_partials,
@@ -24,14 +23,6 @@ from treeattn.energy import (
     tree_free_energy,
 )
 from treeattn.profiling import collective_stats
-
-
-def mesh_of(p: int) -> Mesh:
-    return Mesh(np.array(devices(p)), ("kv",))
-
-
-def two_level_mesh(nodes: int, local: int) -> Mesh:
-    return Mesh(np.array(devices(nodes * local)).reshape(nodes, local), ("node", "local"))
 
 
 SCHEDULES = [(p, "allreduce") for p in (1, 2, 3, 4, 8)] + [
@@ -56,6 +47,7 @@ def tree_kw(p, reduction):
     return {"mesh": mesh_of(p), "kv_axis": "kv", "reduction": reduction}
 
 
+@pytest.mark.fast(p=4, reduction="allreduce")
 @pytest.mark.parametrize("p, reduction", SCHEDULES + [(4, "hierarchical"), (8, "hierarchical")])
 def test_matches_unsharded_and_numpy(p, reduction, getkey):
     q, k, v = make_qkv(getkey, SHAPE, jnp.float32)
@@ -71,6 +63,7 @@ def test_matches_unsharded_and_numpy(p, reduction, getkey):
     np.testing.assert_allclose(out, energy_attention(q, k, v, **kw), atol=1e-6)
 
 
+@pytest.mark.fast(reduction="allreduce", masking="causal_mask3d", dtype=jnp.float32)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("masking", ["none", "causal", "mask2d", "mask3d", "causal_mask3d"])
 @pytest.mark.parametrize("reduction", ["allreduce", "butterfly"])

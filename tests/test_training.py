@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import devices
-from jax.sharding import Mesh
+from helpers import tree
 
-from treeattn.models import AttentionBackend, Transformer, generate
+from treeattn.models import Transformer, generate
 from treeattn.pretrained import CHECKPOINTS, CharTokenizer, load_text
 from treeattn.training import lm_loss
 
@@ -20,6 +19,7 @@ from treeattn.training import lm_loss
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_example_script_trains_checkpoints_and_resumes(tmp_path):
     script = ROOT / "examples" / "train_sonnets.py"
     out = tmp_path / "run"
@@ -109,16 +109,15 @@ def test_shipped_checkpoint_is_trained():
         tokenizer.encode("Z~")
 
 
+@pytest.mark.slow
 def test_shipped_checkpoint_generates_the_same_on_every_backend():
     path = CHECKPOINTS / "sonnets"
     model = Transformer.from_pretrained(path)
     tokenizer = CharTokenizer.load(path)
     prompt = jnp.asarray(tokenizer.encode("When I do count the clock"))
-    mesh = Mesh(np.array(devices(4)), ("kv",))
-    tree = AttentionBackend("tree", mesh=mesh, kv_axis="kv")
     outs = [
         generate(model, prompt, max_new_tokens=64, backend=be)
-        for be in ("reference", "energy", "flash", tree)
+        for be in ("reference", "energy", "flash", tree(4))
     ]
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
