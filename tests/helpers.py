@@ -292,3 +292,30 @@ def energy_reference(name: str, q, k, v, **kw):
     """(attention, Hessian of F in zeta) of `ENERGIES[name]` in float64 NumPy."""
     case = ENERGIES[name]
     return ref.energy_attention(case.family, case.params, q, k, v, **kw)
+
+
+def decode_program(model, cache, backend, *, step: bool = True):
+    """The compiled program a `Decoder` runs for one token (`step`) or for a prompt, on
+    `cache` (its cache structure and backend), lowered for one token: its HLO and memory
+    analysis are what a decode step costs."""
+    from treeattn.models._generate import _host_checked, prepared
+
+    prep = prepared(model)
+    be = AttentionBackend.of(backend)
+    leaves, cache_def = jax.tree.flatten(_host_checked(cache))
+    run = prep.program("forward", be, cache_def=cache_def, rows=False, keep=0, step=step)
+    token = jnp.zeros(() if step else (1,), jnp.int32)
+    return run.lower(prep.leaves, token, leaves).compile()
+
+
+def generate_program(model, cache, prompts, mask=None, *, backend, **sampling):
+    """The compiled program `generate` runs over `prompts` `[rows, prompt]` with one cache per
+    row (`cache`, made by `empty_rows`); `sampling`: `max_new_tokens`, `temperature`,
+    `top_k`."""
+    from treeattn.models._generate import _host_checked, prepared
+
+    prep = prepared(model)
+    be = AttentionBackend.of(backend)
+    run = prep.program("generate", be, rows=True, **sampling)
+    keys = jnp.zeros((prompts.shape[0],), jnp.uint32)
+    return run.lower(prep.leaves, prompts, mask, _host_checked(cache), keys).compile()

@@ -1,10 +1,13 @@
-"""The cpu kernel's register tiles (`treeattn/_cpu_kernel.cc`) against float64 NumPy.
+"""The C++ kernels of `treeattn/_cpu_kernel.cc` against float64 NumPy.
 
-Head dims that are a multiple of the vector width (16 floats with AVX-512, 8 with AVX2, 4
-otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2, keys 4 at a
-time plus a tail of 1-3, value columns in tiles of 8, 4 or 1 vectors; blocks of 512 keys that every
-row sees end to end skip the per-key visibility test. The shapes below cross each of these
-boundaries; the other tests of the kernel (tests/test_decode.py) use head dims of 8 and 16.
+Decode attention: head dims that are a multiple of the vector width (16 floats with AVX-512, 8
+with AVX2, 4 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2,
+keys 4 at a time plus a tail of 1-3, value columns in tiles of 8, 4, 3, 2 or 1 vectors; blocks
+of 512 keys that every row sees end to end skip the per-key visibility test; a sequence with
+few kv heads has its keys split over the threads and merged. The few-row products: rows in
+register groups, weights in tiles, several weights per call. The shapes below cross each of
+these boundaries; the other tests of the decode kernel (tests/test_decode.py) use head dims of
+8 and 16.
 """
 
 import json
@@ -15,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
@@ -22,16 +26,23 @@ import pytest
 from helpers import TOL, to_layout
 
 from treeattn.decode import flash_attention
+from treeattn.models._layers import _native
 
 
 KV_SEQ = 1103  # blocks of 512, 512 and 79 keys: a tail of 3 after groups of 4
 
 
-def inputs(seed, batch, q_seq, heads, kv_heads, qk, dv, dtype, *, sharp=3.0):
+# One sequence with one kv head: its keys are split over the threads (ranges of at least
+# 1024 keys, so 4 here) and the splits merged. A window leaves the first splits without a
+# visible key; shuffled positions give every split keys every row sees and keys none sees.
+SPLIT_SEQ = 4700
+
+
+def inputs(seed, batch, q_seq, heads, kv_heads, qk, dv, dtype, *, sharp=3.0, kv_seq=KV_SEQ):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, q_seq, heads, qk))
-    k = sharp * rng.standard_normal((batch, KV_SEQ, kv_heads, qk))  # peaked: rescaling matters
-    v = rng.standard_normal((batch, KV_SEQ, kv_heads, dv))
+    k = sharp * rng.standard_normal((batch, kv_seq, kv_heads, qk))  # peaked: rescaling matters
+    v = rng.standard_normal((batch, kv_seq, kv_heads, dv))
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
@@ -99,29 +110,28 @@ def test_tiles_match_numpy(group, q_seq, qk, dv, dtype, layout, causal):
     check(got, (out, lse), dtype)
 
 
-@pytest.mark.parametrize("positions", [False, True], ids=["slots", "kv_positions"])
-@pytest.mark.parametrize("window", [(100, 0), (700, 20)], ids=str)
-def test_windows_in_tiles(window, positions):
-    """Sliding windows cut blocks (whole blocks skipped, partial ones tested per key), also
-    with the cache's slots in a shuffled order of positions."""
-    group, q_seq, kv_heads, d = 3, 2, 2, 64
-    q, k, v = inputs(5, 1, q_seq, group * kv_heads, kv_heads, d, d, jnp.float32)
-    kv_length, q_offset = np.array([1000]), np.array([900])
+def windowed(q, k, v, *, kv_length, q_offset, window, shuffle):
+    """(the cpu kernel's (out, lse), float64 NumPy's) for causal queries at `q_offset` over a
+    bhsd cache of `kv_length` tokens and a sliding `window` (None: none); `shuffle`: the
+    cache's slots hold the positions in a random order (`kv_positions`)."""
+    batch, q_seq, heads = q.shape[:3]
+    kv_seq = k.shape[1]
+    kv_length, q_offset = np.array([kv_length]), np.array([q_offset])
     vis = ref.decode_visible(
-        1,
+        batch,
         q_seq,
-        group * kv_heads,
-        KV_SEQ,
+        heads,
+        kv_seq,
         kv_length=kv_length,
         q_offset=q_offset,
         causal=True,
         window=window,
         mask=None,
     )
-    out, lse = ref.decode_attention(q, k, v, vis)
+    want = ref.decode_attention(q, k, v, vis)
     kw = {}
-    if positions:
-        perm = np.random.default_rng(0).permutation(KV_SEQ)  # slot s holds position perm[s]
+    if shuffle:
+        perm = np.random.default_rng(0).permutation(kv_seq)  # slot s holds position perm[s]
         k, v, kw = k[:, perm], v[:, perm], {"kv_positions": jnp.asarray(perm)}
     got = flash_attention(
         q,
@@ -135,30 +145,60 @@ def test_windows_in_tiles(window, positions):
         backend="cpu",
         **kw,
     )
-    check(got, (out, lse), jnp.float32)
+    return got, want
 
 
-def test_nan_in_a_slot_one_query_does_not_see():
-    """Causal queries at positions 999 and 1000: NaN in the value and key of slot 1000 (seen by
-    the second only) and in every slot past the fill (seen by none). In the tile, the first
-    row weighs the slot 0 and must not read it; the second row reads NaN."""
-    group, q_seq, kv_heads, d = 2, 2, 1, 64
-    q, k, v = inputs(6, 1, q_seq, group, kv_heads, d, d, jnp.float32)
+@pytest.mark.parametrize("positions", [False, True], ids=["slots", "kv_positions"])
+@pytest.mark.parametrize("window", [(100, 0), (700, 20)], ids=str)
+def test_windows_in_tiles(window, positions):
+    """Sliding windows cut blocks (whole blocks skipped, partial ones tested per key), also
+    with the cache's slots in a shuffled order of positions."""
+    group, q_seq, kv_heads, d = 3, 2, 2, 64
+    q, k, v = inputs(5, 1, q_seq, group * kv_heads, kv_heads, d, d, jnp.float32)
+    got, want = windowed(q, k, v, kv_length=1000, q_offset=900, window=window, shuffle=positions)
+    check(got, want, jnp.float32)
+
+
+# (kv_seq, filled length, NaN from this slot on in K and V, and in this one slot of K only)
+NAN_CASES = {
+    "tile": (KV_SEQ, 1001, 1000, None),  # slot 1000 and every slot past the fill
+    "split": (SPLIT_SEQ, 4601, None, 4600),  # the last of 4 splits of the keys
+}
+
+
+@pytest.mark.parametrize("where", list(NAN_CASES))
+def test_nan_reaches_only_the_rows_that_see_it(where):
+    """Causal queries at the last two positions: a NaN key (and value) seen by the second only.
+    In a tile, the first row weighs the slot 0 and must not read it; over splits of the keys,
+    the merge gives the second row NaN. The first row is the attention over its keys."""
+    kv_seq, length, from_slot, one_slot = NAN_CASES[where]
+    group, q_seq, d = 2, 2, 64
+    q, k, v = inputs(6, 1, q_seq, group, 1, d, d, jnp.float32, kv_seq=kv_seq)
     clean_k, clean_v = np.asarray(k, np.float64), np.asarray(v, np.float64)
-    k = k.at[:, 1000].set(jnp.nan).at[:, 1001:].set(jnp.nan)
-    v = v.at[:, 1000].set(jnp.nan).at[:, 1001:].set(jnp.nan)
+    if from_slot is not None:
+        k, v = (x.at[:, from_slot:].set(jnp.nan) for x in (k, v))
+    if one_slot is not None:
+        k = k.at[:, one_slot].set(jnp.nan)
     out, lse = flash_attention(
         q,
         to_layout(k, "bhsd"),
         to_layout(v, "bhsd"),
-        kv_length=jnp.asarray([1001]),
-        q_offset=jnp.asarray([999]),
+        kv_length=jnp.asarray([length]),
+        q_offset=jnp.asarray([length - q_seq]),
         causal=True,
         kv_layout="bhsd",
         backend="cpu",
     )
     vis = ref.decode_visible(
-        1, q_seq, group, KV_SEQ, kv_length=1001, q_offset=999, causal=True, window=None, mask=None
+        1,
+        q_seq,
+        group,
+        kv_seq,
+        kv_length=length,
+        q_offset=length - q_seq,
+        causal=True,
+        window=None,
+        mask=None,
     )
     want, want_lse = ref.decode_attention(q, clean_k, clean_v, vis)
     assert ref_err(out[:, 0], want[:, 0]) <= TOL[jnp.float32]
@@ -222,6 +262,58 @@ def test_exp_over_the_logit_range():
 
 
 # -march for each target, and the registers its library must not use.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "window, positions",
+    [(None, False), ((1500, 0), False), ((900, 30), True)],
+    ids=["causal", "window", "window-positions"],
+)
+def test_split_keys_match_numpy(window, positions, dtype):
+    group, q_seq, d = 3, 2, 64
+    q, k, v = inputs(8, 1, q_seq, group, 1, d, d, dtype, kv_seq=SPLIT_SEQ)
+    got, want = windowed(q, k, v, kv_length=4321, q_offset=4000, window=window, shuffle=positions)
+    check(got, want, dtype)
+
+
+# The few-row products: rows in register groups of up to 8 (AVX-512; 4 otherwise) split evenly,
+# weight rows in tiles of 4, 3, 2 or 1 plus a remainder, inputs of whole vectors and with a
+# tail, several weights in one call (a layer's q, k and v).
+PRODUCT_ROWS = [1, 2, 5, 8, 12, 17, 32]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n_in", [64, 37, 576])
+@pytest.mark.parametrize("rows", PRODUCT_ROWS)
+def test_products_match_numpy(rows, n_in, dtype):
+    rng = np.random.default_rng(rows * 1000 + n_in)
+    x = jnp.asarray(rng.standard_normal((rows, n_in)), dtype)
+    outs = (5, 24, 130)
+    ws = tuple(jnp.asarray(rng.standard_normal((o, n_in)), dtype) for o in outs)
+    got = jax.jit(_native)(x, ws)
+    for y, w, o in zip(got, ws, outs, strict=True):
+        assert y.shape == (rows, o) and y.dtype == dtype
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        # One rounding of a float32 sum: bfloat16's half ulp, float32's over n_in terms.
+        tol = 2.0**-8 if dtype == jnp.bfloat16 else 1e-6 * np.sqrt(n_in)
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=tol * np.abs(want).max())
+
+
+def test_products_of_a_large_weight_are_shared_by_the_threads():
+    """Above 2^16 weight elements the rows of the weights are cut into chunks for the threads
+    (whole 4-row tiles; a remainder in the last): every output element is written once."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 300)), jnp.float32)
+    ws = (
+        jnp.asarray(rng.standard_normal((1001, 300)), jnp.float32),
+        jnp.asarray(rng.standard_normal((7, 300)), jnp.float32),
+    )
+    for y, w in zip(jax.jit(_native)(x, ws), ws, strict=True):
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
+
+
+# The tests the narrow builds run: tiles, NaN, exp, splits, products.
+EXPECTED_NARROW = len(CASES) + 2 + 1 + 6 + len(PRODUCT_ROWS) * 3 * 2 + 1
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 
 
@@ -250,7 +342,7 @@ def test_tiles_on_narrower_vector_units(target, tmp_path):
     env = {**os.environ, "CXX": str(wrapper), "TREEATTN_CACHE_DIR": str(cache)}
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist"]
-        + ["-k", "tiles_match or nan_in_a_slot or exp_over", __file__],
+        + ["-k", "tiles_match or nan_reaches or exp_over or split_keys or products", __file__],
         env=env,
         cwd=Path(__file__).parent,
         capture_output=True,
@@ -258,7 +350,7 @@ def test_tiles_on_narrower_vector_units(target, tmp_path):
         timeout=600,
     )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert "10 passed" in child.stdout, child.stdout[-1000:]
+    assert f"{EXPECTED_NARROW} passed" in child.stdout, child.stdout[-1000:]
     (manifest,) = cache.glob("cpu_kernel_*.json")
     assert json.loads(manifest.read_text())["compiler"] == [str(wrapper)]
     asm = subprocess.run(

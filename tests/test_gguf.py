@@ -7,6 +7,7 @@ with llama.cpp's names, metadata keys, row permutation and quantisation types.
 """
 
 import math
+import re
 import subprocess
 import sys
 import unicodedata
@@ -99,6 +100,40 @@ def test_smollm2_greedy_tokens_are_the_argmax_of_transformers_full_forward(smoll
     expected = hf_logits(theirs, tokens)[prompt.size - 1 : -1].argmax(-1)
     np.testing.assert_array_equal(tokens[prompt.size :], expected)
     print(repr(tokenizer.decode(tokens[prompt.size :])))
+
+
+# A weight-sized buffer made in the program: copied, transposed, converted, concatenated,
+# broadcast or sliced out of a stacked weight.
+WEIGHT_COPY = re.compile(
+    r"(?<![\w-])(copy|transpose|convert|concatenate|broadcast|dynamic-slice|slice)\("
+)
+
+
+@pytest.mark.parametrize("backend", ["flash", "energy"])
+def test_smollm2_decode_step_copies_no_weight(smollm2, backend):
+    """The 30-layer checkpoint as loaded (its layers stacked), stepped by a `Decoder`: the
+    compiled step reads every weight where it lies. Its temporaries stay below one layer's
+    weights, and no operation makes a buffer the size of a weight."""
+    _, ours, _, _, _ = smollm2
+    assert ours.config.num_hidden_layers >= 24 and not isinstance(ours.layers, tuple)
+    compiled = ours.decoder(max_len=256, backend=backend).compiled_step()
+    layer = jax.tree.map(lambda x: x[0], eqx.filter(ours.layers, eqx.is_array))
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(layer))
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes < layer_bytes, (memory.temp_size_in_bytes, layer_bytes)
+    weights = {x.shape[-2:] for x in jax.tree.leaves(eqx.filter(ours, eqx.is_array)) if x.ndim >= 2}
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    copies = [
+        line
+        for line in entry.splitlines()
+        if WEIGHT_COPY.search(line)
+        and any(
+            f"[{','.join(map(str, shape))}]" in line.split("=", 1)[-1].split("(")[0]
+            for shape in weights
+        )
+    ]
+    assert copies == [], "\n".join(copies)
 
 
 def test_smollm2_save_pretrained_reloads_in_transformers(smollm2, tmp_path):

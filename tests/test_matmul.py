@@ -2,6 +2,7 @@
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,9 @@ import pytest
 from helpers import TOL
 from jax.test_util import check_grads
 
-from treeattn.models._layers import matmul
+from treeattn._native import load_kernel
+from treeattn.models import LlamaConfig, MultiheadAttention, Transformer
+from treeattn.models._layers import _xla_rows, apply_linears, matmul
 
 
 # One product, rounded once: float32 is held to half the table's bound, bfloat16 to the table's.
@@ -96,13 +99,91 @@ def test_the_check_sees_a_widened_weight():
 
 
 @pytest.mark.parametrize(("rows", "as_columns"), [(1, False), (8, True), (32, True), (33, False)])
-def test_few_float32_rows_are_multiplied_as_columns(rows, as_columns):
-    """A few float32 rows (a decode step of a batch) go through XLA:CPU's product as contiguous
-    columns, `w @ x.T`, which streams the weight faster than `x @ w.T`: the compiled program
-    holds a `[out, rows]` product, not folded back into `[rows, out]`."""
+def test_without_the_cpu_kernel_few_float32_rows_are_multiplied_as_columns(rows, as_columns):
+    """Where the C++ product is not built, a few float32 rows (a decode step of a batch) go
+    through XLA:CPU's product as contiguous columns, `w @ x.T`, which streams the weight
+    faster than `x @ w.T`: the compiled program holds a `[out, rows]` product, not folded back
+    into `[rows, out]`."""
     x = jnp.ones((rows, 64), jnp.float32)
     w = jnp.ones((128, 64), jnp.float32)
-    text = jax.jit(matmul).lower(x, w).compile().as_text()
+    text = jax.jit(_xla_rows).lower(x, w).compile().as_text()
     products = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} dot\(", text)
     assert products, text
     assert (products == [f"128,{rows}"]) == as_columns, products
+
+
+def matmul_calls(text: str) -> list[int]:
+    """The C++ product calls of a compiled program: the number of weights of each."""
+    calls = [
+        line for line in text.splitlines() if 'custom_call_target="treeattn_cpu_matmul"' in line
+    ]
+    return [line.split("custom-call(")[1].split(")")[0].count("%") - 1 for line in calls]
+
+
+needs_kernel = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or load_kernel() is not None,
+    reason="the C++ product runs on a CPU process where it builds",
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 32, 33])
+def test_few_rows_on_cpu_are_one_kernel_call(rows):
+    """1 to 32 rows: one call of the C++ product, no XLA dot; more: XLA's product."""
+    x = jnp.ones((rows, 64), jnp.float32)
+    w = jnp.ones((128, 64), jnp.float32)
+    text = jax.jit(matmul).lower(x, w).compile().as_text()
+    assert matmul_calls(text) == ([1] if rows <= 32 else [])
+    assert (" dot(" in text) == (rows > 32)
+
+
+@needs_kernel
+def test_a_layer_projects_q_k_v_in_one_call_and_gate_up_in_another():
+    """A decoder layer's step: q, k, v are one product call of three weights, gate and up one
+    of two, then o, down (and the head) one each: the threads start four times per layer."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = Transformer(config, key=jax.random.key(0)).unstack_layers()
+    params, static = eqx.partition(model, eqx.is_array)
+    step = jax.jit(lambda p, t: eqx.combine(p, static)(t))
+    text = step.lower(params, jnp.zeros((1,), jnp.int32)).compile().as_text()
+    assert sorted(matmul_calls(text)) == sorted([3, 1, 2, 1] * 2 + [1])
+    cross = MultiheadAttention(4, 64, key=jax.random.key(1))
+    x, y = jnp.ones((1, 64)), jnp.ones((1, 64))
+    text = jax.jit(lambda a, b: cross(a, b, b, inference=True)).lower(x, y).compile().as_text()
+    assert sorted(matmul_calls(text)) == [1, 1, 1, 1]  # queries and keys of other inputs
+
+
+def test_grouped_products_match_one_by_one(getkey):
+    """`apply_linears`: projections of one dtype in one call, of mixed dtypes one each; the
+    biases added; values and derivatives those of the projections one by one."""
+    x = jax.random.normal(getkey(), (3, 16))
+    projs = tuple(
+        eqx.nn.Linear(16, n, use_bias=bias, key=getkey(), dtype=dtype)
+        for n, bias, dtype in [
+            (8, True, jnp.float32),
+            (5, False, jnp.float32),
+            (7, True, jnp.bfloat16),
+        ]
+    )
+    got = apply_linears(projs, x)
+    for y, p in zip(got, projs, strict=True):
+        with jax.numpy_dtype_promotion("standard"):
+            want = jax.vmap(p)(x.astype(jnp.result_type(x, p.weight)))
+        np.testing.assert_allclose(
+            np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2
+        )
+    same = projs[:2]
+    loss = lambda ps, x: sum(jnp.sum(jnp.sin(y)) for y in apply_linears(ps, x))  # noqa: E731
+    alone = lambda ps, x: sum(jnp.sum(jnp.sin(jax.vmap(p)(x))) for p in ps)  # noqa: E731
+    g1 = jax.grad(loss, argnums=(0, 1))(same, x)
+    g2 = jax.grad(alone, argnums=(0, 1))(same, x)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import backend_of, mesh_of, tree
+from helpers import backend_of, decode_program, generate_program, mesh_of, tree
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
@@ -25,7 +25,6 @@ from treeattn.models import (
     prefill,
 )
 from treeattn.models._cache import empty_rows, write_at
-from treeattn.models._generate import _generate_batch, _run
 
 
 CONFIG = LlamaConfig(
@@ -51,9 +50,7 @@ def full_pass(model, tokens):
 
 
 def compiled_step(model, cache, backend):
-    params, static = eqx.partition(model, eqx.is_array)
-    token = jnp.zeros((1,), jnp.int32)
-    return _run.lower(params, static, token, cache, backend=backend).compile()
+    return decode_program(model, cache, backend)
 
 
 # A cache-sized buffer converted (XLA:CPU widens a 16-bit float slice update or scatter to
@@ -135,19 +132,16 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     assert cache.length.shape == (rows,) and cache.k[0].shape == (rows, *template.k[0].shape)
     if mesh is not None:  # sharded along the slots, as the tree backend reads it
         assert cache.k[0].sharding.spec == P(None, None, "kv", None)
-    params, static = eqx.partition(model.unstack_layers(), eqx.is_array)
-    compiled = _generate_batch.lower(
-        params,
-        static,
-        jnp.zeros((rows, 5), jnp.int32),
-        None,
+    params = eqx.filter(model.unstack_layers(), eqx.is_array)
+    compiled = generate_program(
+        model,
         cache,
-        jnp.zeros((rows,), jnp.uint32),
+        jnp.zeros((rows, 5), jnp.int32),
+        backend=be,
         max_new_tokens=4,
         temperature=0.0,
         top_k=None,
-        backend=be,
-    ).compile()
+    )
     text = compiled.as_text()
     local = cache.k[0].sharding.shard_shape(cache.k[0].shape)  # one device's buffer
     layer_shape = ",".join(str(n) for n in local)
@@ -183,23 +177,16 @@ def test_generate_prefill_computes_the_last_logits_only(mask):
     model = Transformer(config, key=jax.random.key(0)).unstack_layers()
     template = jax.eval_shape(lambda: model.init_cache(64, layout="bhsd"))
     cache = empty_rows(template, rows)
-    params, static = eqx.partition(model, eqx.is_array)
-    text = (
-        _generate_batch.lower(
-            params,
-            static,
-            jnp.zeros((rows, n_prompt), jnp.int32),
-            jnp.ones((rows, n_prompt), bool) if mask else None,
-            cache,
-            jnp.zeros((rows,), jnp.uint32),
-            max_new_tokens=3,
-            temperature=0.0,
-            top_k=None,
-            backend=AttentionBackend("flash"),
-        )
-        .compile()
-        .as_text()
-    )
+    text = generate_program(
+        model,
+        cache,
+        jnp.zeros((rows, n_prompt), jnp.int32),
+        jnp.ones((rows, n_prompt), bool) if mask else None,
+        backend="flash",
+        max_new_tokens=3,
+        temperature=0.0,
+        top_k=None,
+    ).as_text()
     logits = {
         shape
         for shape in re.findall(r"\[([\d,]+)\]", text)
@@ -210,22 +197,19 @@ def test_generate_prefill_computes_the_last_logits_only(mask):
     assert max(positions) <= rows, sorted(logits)
 
 
-def test_a_stacked_model_copies_its_weights_not_its_cache():
-    """Slices of stacked weights may be materialised by XLA (newer jax does: why
-    `unstack_layers` exists); the cache stays in place either way."""
+def test_a_stacked_model_copies_neither_its_weights_nor_its_cache():
+    """A model as constructed (its layers stacked) is prepared for decoding once: its step
+    reads every layer's own arrays, so its temporaries hold no slice of a stacked weight
+    (XLA materialises one before a product reads it) and no layer's cache."""
     stacked, unstacked = model_of(), model_of().unstack_layers()
-    temps = {}
-    for name, model in (("stacked", stacked), ("unstacked", unstacked)):
-        cache = model.init_cache(MAX_LEN, layout="bhsd")
-        temps[name] = compiled_step(model, cache, "flash").memory_analysis().temp_size_in_bytes
+    assert not isinstance(stacked.layers, tuple)
     layer_weights = sum(
         x.nbytes for x in jax.tree.leaves(eqx.filter(unstacked.layers[0], eqx.is_array))
     )
-    cache_layer = model_of().init_cache(MAX_LEN, layout="bhsd").layer(0).k.nbytes
-    # At most the weight slices of a layer (or of each layer, if XLA keeps them all), never a
-    # layer's cache.
-    assert temps["stacked"] < CONFIG.num_hidden_layers * layer_weights + cache_layer / 4
-    assert temps["unstacked"] < layer_weights / 4
+    for model in (stacked, unstacked):
+        cache = model.init_cache(MAX_LEN, layout="bhsd")
+        temps = compiled_step(model, cache, "flash").memory_analysis().temp_size_in_bytes
+        assert temps < layer_weights / 4
 
 
 def test_decode_step_donates_the_cache():

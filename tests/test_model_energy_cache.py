@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_CONFIG, tree
+from helpers import TINY_CONFIG, decode_program, tree
 
 from treeattn.energy import LinearKernel, LinearState, Sigmoid, Softmax, StickBreaking
 from treeattn.models import (
@@ -23,7 +23,6 @@ from treeattn.models import (
     generate,
     prefill,
 )
-from treeattn.models._generate import _run
 
 
 CONFIG = dataclasses.replace(TINY_CONFIG, max_position_embeddings=1 << 16)
@@ -112,9 +111,7 @@ def test_a_layer_with_a_linear_cache(getkey):
 
 
 def step_analysis(model, cache, backend: str | AttentionBackend = "energy"):
-    params, static = eqx.partition(model, eqx.is_array)
-    token = jnp.zeros((1,), jnp.int32)
-    return _run.lower(params, static, token, cache, backend=backend).compile()
+    return decode_program(model, cache, backend)
 
 
 def test_a_linear_decode_step_does_not_depend_on_the_context():
@@ -195,7 +192,10 @@ def test_an_energy_decode_step_reads_each_cache_once(energy, kv_heads):
     assert isinstance(cache, KVCache)
     params, static = eqx.partition(model, eqx.is_array)
     token = jnp.zeros((1,), jnp.int32)
-    step = lambda p, c: _run(p, static, token, c, backend="energy")  # noqa: E731
+
+    def step(params, cache):
+        return eqx.combine(params, static)(token, cache, backend="energy")
+
     jaxpr = jax.make_jaxpr(step)(params, cache).jaxpr
     layer_k = cache.layer(0).k
     assert isinstance(layer_k, jax.Array)

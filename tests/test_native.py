@@ -22,6 +22,7 @@ import pytest
 from helpers import check_out_lse
 
 from treeattn import _native
+from treeattn.decode._native import _ffi
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,8 @@ DECODE = textwrap.dedent(
     """
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
-    from treeattn.decode import BackendUnavailable, flash_attention, _native
+    from treeattn import _native
+    from treeattn.decode import BackendUnavailable, flash_attention
 
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 1, 4, 8), np.float32)
@@ -275,10 +277,10 @@ def test_layout_is_a_checked_string_attribute(monkeypatch, tmp_path):
     k = jnp.ones((1, 3, 2, 4))
     ints = jnp.zeros((1,), jnp.int32), jnp.full((1,), 3, jnp.int32), jnp.zeros((1, 0), jnp.int32)
     kw = dict(scale=0.5, causal=False, has_pos=False)
-    out, _ = _native._ffi(q, k, k, *ints, layout="bshd", **kw)
+    out, _ = _ffi(q, k, k, *ints, layout="bshd", **kw)
     np.testing.assert_allclose(out, 1.0)
     with pytest.raises(Exception, match="layout must be bshd or bhsd, got sbhd"):
-        jax.block_until_ready(_native._ffi(q, k, k, *ints, layout="sbhd", **kw))
+        jax.block_until_ready(_ffi(q, k, k, *ints, layout="sbhd", **kw))
 
 
 @pytest.mark.slow

@@ -21,17 +21,17 @@
 // thread pool through an atomic counter; the caller never waits for an item nobody started,
 // so a saturated pool cannot deadlock it.
 
-#include <array>
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -46,6 +46,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 512;  // keys per block (a smaller block costs more per key)
+// Keys and values are prefetched this many slots ahead of the loads: the hardware prefetcher
+// alone keeps too few lines in flight for the short rows of a head (a key of 64 bfloat16 is
+// two cache lines) to stream at memory speed.
+constexpr int64_t kAhead = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The vector width of the target (-march=native): kLanes floats per register, and kTile query
@@ -210,7 +214,10 @@ inline void dots(const float* __restrict q, int64_t qk, const T* __restrict k, i
   vf32 acc[RT][4] = {};
   for (int64_t c = 0; c < d; c += kLanes) {
     vf32 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = vload(k + j * ks + c);
+    for (int j = 0; j < NK; ++j) {
+      __builtin_prefetch(k + (j + kAhead) * ks + c);
+      kv[j] = vload(k + j * ks + c);
+    }
     for (int r = 0; r < RT; ++r) {
       const vf32 qv = vload(q + r * qk + c);
       for (int j = 0; j < NK; ++j) acc[r][j] += qv * kv[j];
@@ -239,6 +246,7 @@ void logits_tile(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, 
 
 template <int RT, typename T>
 void block_logits(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, float* s) {
+  if (qk == 32) return logits_tile<RT, 32>(q, qk, k, ks, n, s);
   if (qk == 64) return logits_tile<RT, 64>(q, qk, k, ks, n, s);
   if (qk == 128) return logits_tile<RT, 128>(q, qk, k, ks, n, s);
   logits_tile<RT, 0>(q, qk, k, ks, n, s);
@@ -256,13 +264,39 @@ void weigh_tile(const float* __restrict p, int64_t n, const T* __restrict v, int
     for (int r = 0; r < RT; ++r)
       for (int t = 0; t < NV; ++t) a[r][t] = vload(acc + r * dv + c0 + t * kLanes);
     if (dense) {
-      for (int64_t i = 0; i < n; ++i) {
-        vf32 vv[NV];
-        for (int t = 0; t < NV; ++t) vv[t] = vload(v + i * vs + c0 + t * kLanes);
+      // With fewer than 8 sums in registers, the multiply-adds into each wait on the previous
+      // one (4 cycles): even and odd keys then go into two sets of sums.
+      constexpr int kSets = RT * NV < 8 ? 2 : 1;
+      vf32 b[RT][NV] = {};
+      int64_t i = 0;
+      for (; i + kSets <= n; i += kSets) {
+        for (int u = 0; u < kSets; ++u) {
+          vf32 vv[NV];
+          for (int t = 0; t < NV; ++t) {
+            __builtin_prefetch(v + (i + u + kAhead) * vs + c0 + t * kLanes);
+            vv[t] = vload(v + (i + u) * vs + c0 + t * kLanes);
+          }
+          for (int r = 0; r < RT; ++r) {
+            const vf32 w = splat(p[r * kBlock + i + u]);
+            for (int t = 0; t < NV; ++t) {
+              if (u == 0) {
+                a[r][t] += w * vv[t];
+              } else {
+                b[r][t] += w * vv[t];
+              }
+            }
+          }
+        }
+      }
+      for (; i < n; ++i) {
         for (int r = 0; r < RT; ++r) {
           const vf32 w = splat(p[r * kBlock + i]);
-          for (int t = 0; t < NV; ++t) a[r][t] += w * vv[t];
+          for (int t = 0; t < NV; ++t) a[r][t] += w * vload(v + i * vs + c0 + t * kLanes);
         }
+      }
+      if constexpr (kSets == 2) {
+        for (int r = 0; r < RT; ++r)
+          for (int t = 0; t < NV; ++t) a[r][t] += b[r][t];
       }
     } else {
       for (int64_t i = 0; i < n; ++i) {
@@ -287,11 +321,15 @@ template <int RT, typename T>
 void weigh_values(const float* p, int64_t n, const T* v, int64_t vs, int64_t dv, bool dense,
                   float* acc) {
   // Whole value rows in one pass where the registers allow (a second pass over a column tile
-  // re-reads the block's rows at a stride, slower than one sequential pass).
+  // re-reads the block's rows at a stride, slower than one sequential pass); otherwise the
+  // widest tiles that divide the row.
+  const int64_t nv = dv / kLanes;
   if constexpr (RT <= 2) {
-    if (dv % (8 * kLanes) == 0) return weigh_tile<RT, 8>(p, n, v, vs, dv, dense, acc);
+    if (nv % 8 == 0) return weigh_tile<RT, 8>(p, n, v, vs, dv, dense, acc);
   }
-  if (dv % (4 * kLanes) == 0) return weigh_tile<RT, 4>(p, n, v, vs, dv, dense, acc);
+  if (nv % 4 == 0) return weigh_tile<RT, 4>(p, n, v, vs, dv, dense, acc);
+  if (nv == 3) return weigh_tile<RT, 3>(p, n, v, vs, dv, dense, acc);
+  if (nv % 2 == 0) return weigh_tile<RT, 2>(p, n, v, vs, dv, dense, acc);
   weigh_tile<RT, 1>(p, n, v, vs, dv, dense, acc);
 }
 
@@ -324,17 +362,35 @@ struct Dims {
   int64_t kv_stride(int64_t w) const { return bhsd ? w : kv_heads * w; }
 };
 
-// One (batch row, kv head): rows r = j * q_seq + t for head h * group + j, query t.
+// The running state of a (batch row, kv head) over a range of its keys, per query row r:
+// max m[r], sum l[r], whether a NaN logit was seen, and the weighted values acc[r * dv ...].
+struct Partial {
+  float* m;
+  float* l;
+  char* nan_row;
+  float* acc;
+};
+
+// One (batch row, kv head), over split `split` of `splits` equal ranges of the keys it reads:
+// rows r = j * q_seq + t for head h * group + j, query t.
 template <typename T>
-void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T* v,
-            const int32_t* q_offset, const int32_t* kv_length, const int32_t* kv_pos, T* out,
-            float* lse) {
+void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, const T* q,
+            const T* k, const T* v, const int32_t* q_offset, const int32_t* kv_length,
+            const int32_t* kv_pos, const Partial& part) {
   const int64_t g = d.group(), rows = g * d.q_seq;
   const bool tiled_qk = d.qk % kLanes == 0, tiled_dv = d.dv % kLanes == 0;
-  std::vector<float> qr(rows * d.qk), acc(rows * d.dv, 0.0f), m(rows, kNegInf), l(rows, 0.0f);
+  float* const m = part.m;
+  float* const l = part.l;
+  char* const nan_row = part.nan_row;
+  float* const accp = part.acc;
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  std::fill(nan_row, nan_row + rows, 0);
+  std::fill(accp, accp + rows * d.dv, 0.0f);
+  std::vector<float> qr(rows * d.qk);
   std::vector<float> s(rows * kBlock);  // logits, then weights: s[r * kBlock + i]
   std::vector<int64_t> qpos(rows);
-  std::vector<char> nan_row(rows, 0);
+  std::vector<char> has_zero(rows);  // per row of the block: some weight is 0
   const int64_t offset = q_offset[b], length = kv_length[b];
   for (int64_t j = 0; j < g; ++j) {
     for (int64_t t = 0; t < d.q_seq; ++t) {
@@ -356,10 +412,13 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
     slots = std::clamp<int64_t>(limit, 0, d.kv_seq);
     if (d.left >= 0) first = std::clamp<int64_t>(offset - d.left, 0, slots);
   }
+  // This split's share of [first, slots).
+  const int64_t per = (slots - first + splits - 1) / splits;
+  const int64_t lo = std::min(slots, first + split * per), hi = std::min(slots, lo + per);
   const int32_t* pos_b = d.has_pos ? kv_pos + b * d.kv_seq : nullptr;
   const int64_t ks = d.kv_stride(d.qk), vs = d.kv_stride(d.dv);
-  for (int64_t start = first; start < slots; start += kBlock) {
-    const int64_t n = std::min(kBlock, slots - start);
+  for (int64_t start = lo; start < hi; start += kBlock) {
+    const int64_t n = std::min(kBlock, hi - start);
     const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
     const T* kb = k + d.kv_offset(b, h, start, d.qk);
     const T* vb = v + d.kv_offset(b, h, start, d.dv);
@@ -425,32 +484,37 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       const float m_new = std::max(m[r], block_max);
       if (m_new == kNegInf) {  // nothing visible to this row yet
         std::fill(sr, sr + padded, 0.0f);
+        has_zero[r] = 1;
         continue;
       }
       if (m_new != m[r]) {
         const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] was -inf
-        float* a = acc.data() + r * d.dv;
+        float* a = accp + r * d.dv;
         for (int64_t i = 0; i < d.dv; ++i) a[i] *= alpha;
         l[r] *= alpha;
         m[r] = m_new;
       }
       vf32 total = splat(0.0f);
+      vi32 zeros = vi32{};  // -1 per weight that is 0 (masked, or underflowed)
       const vf32 shift = splat(m_new);
       for (int64_t i = 0; i < padded; i += kLanes) {
         const vf32 p = exp_nonpositive(vload(sr + i) - shift);
         vstore(sr + i, p);
         total += p;
+        zeros += p == splat(0.0f);
       }
       l[r] += hsum(total);
+      int64_t zero = 0;
+      for (int i = 0; i < kLanes; ++i) zero -= zeros[i];
+      has_zero[r] = zero > padded - n;  // the padding past n is 0 by construction
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
       const int64_t rt = std::min<int64_t>(kTile, rows - r0);
       const float* pr = s.data() + r0 * kBlock;
-      float* ar = acc.data() + r0 * d.dv;
+      float* ar = accp + r0 * d.dv;
       if (tiled_dv) {
         bool dense = true;
-        for (int64_t r = 0; r < rt && dense; ++r)
-          for (int64_t i = 0; i < n; ++i) dense &= pr[r * kBlock + i] != 0.0f;
+        for (int64_t r = r0; r < r0 + rt; ++r) dense &= !has_zero[r];
         with_tile(rt, [&](auto tile) {
           weigh_values<decltype(tile)::value>(pr, n, vb, vs, d.dv, dense, ar);
         });
@@ -463,26 +527,55 @@ void attend(const Dims& d, int64_t b, int64_t h, const T* q, const T* k, const T
       }
     }
   }
+}
+
+// The splits of (batch row b, kv head h) merged (each rescaled to the largest max) and
+// normalised into its rows of `out` and `lse`.
+template <typename T>
+void finish(const Dims& d, int64_t b, int64_t h, int64_t splits, const Partial* parts, T* out,
+            float* lse) {
+  const int64_t g = d.group();
+  std::vector<float> acc(d.dv);
   for (int64_t j = 0; j < g; ++j) {
     for (int64_t t = 0; t < d.q_seq; ++t) {
       const int64_t r = j * d.q_seq + t, head = h * g + j;
-      const bool empty = !(l[r] > 0.0f);
-      const float inv = empty ? 0.0f : 1.0f / l[r];
+      float mx = kNegInf;
+      bool bad = false;
+      for (int64_t p = 0; p < splits; ++p) {
+        mx = std::max(mx, parts[p].m[r]);
+        bad |= parts[p].nan_row[r] != 0;
+      }
+      float total = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (mx != kNegInf) {
+        for (int64_t p = 0; p < splits; ++p) {
+          if (parts[p].m[r] == kNegInf) continue;  // this split saw nothing
+          const float w = splits == 1 ? 1.0f : std::exp(parts[p].m[r] - mx);
+          total += w * parts[p].l[r];
+          const float* a = parts[p].acc + r * d.dv;
+          for (int64_t i = 0; i < d.dv; ++i) acc[i] += w * a[i];
+        }
+      }
+      const bool empty = !(total > 0.0f);
+      const float inv = empty ? 0.0f : 1.0f / total;
       T* dst = out + ((b * d.q_seq + t) * d.heads + head) * d.dv;
-      bool bad = nan_row[r] != 0 || std::isnan(l[r]);
-      for (int64_t i = 0; i < d.dv; ++i) bad |= !std::isfinite(acc[r * d.dv + i]);
+      bad |= std::isnan(total);
+      for (int64_t i = 0; i < d.dv; ++i) bad |= !std::isfinite(acc[i]);
       const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t i = 0; i < d.dv; ++i) store(dst + i, bad ? nan : acc[r * d.dv + i] * inv);
-      float row_lse = empty ? kNegInf : m[r] + std::log(l[r]);
+      for (int64_t i = 0; i < d.dv; ++i) store(dst + i, bad ? nan : acc[i] * inv);
+      const float row_lse = empty ? kNegInf : mx + std::log(total);
       lse[(b * d.heads + head) * d.q_seq + t] = bad ? nan : row_lse;
     }
   }
 }
 
 // Runs fn(i) for i in [0, n) on the caller and up to (threads - 1) pool tasks. Items are
-// claimed under the mutex; the caller, once no item is left to claim, waits only for items
-// already running. A helper that starts after that claims nothing and returns without
-// touching `fn` (which lives on the caller's stack); `state` is shared, so it outlives them.
+// claimed from an atomic counter; the caller, once no item is left to claim, waits only for
+// items already claimed, spinning (an item is short: a kernel's share of one product or of one
+// head's keys, and a sleeping caller costs a wake-up of several microseconds per call, which a
+// decode step of a few hundred calls feels). A helper that starts after that claims nothing
+// and returns without touching `fn` (which lives on the caller's stack); `state` is shared,
+// so it outlives them.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
@@ -491,45 +584,66 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
     return;
   }
   struct State {
-    int64_t next = 0;  // the next item to claim
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t running = 0;  // items started and not yet finished
+    std::atomic<int64_t> next{0};  // the next item to claim
+    std::atomic<int64_t> done{0};  // items finished
   };
   auto state = std::make_shared<State>();
   auto run = [state, n, &fn] {
-    while (true) {
-      int64_t i;
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        i = state->next++;
-        if (i >= n) return;
-        ++state->running;
-      }
+    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       fn(i);
-      bool last;
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        last = --state->running == 0;
-      }
-      if (last) state->cv.notify_all();
+      state->done.fetch_add(1, std::memory_order_release);
     }
   };
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run] { run(); });
   run();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->running == 0; });
+  // Every item is claimed; wait for the ones still running (yielding now and then, in case
+  // their thread was descheduled).
+  for (int64_t spins = 0; state->done.load(std::memory_order_acquire) < n; ++spins) {
+    if (spins % 1024 == 1023) {
+      std::this_thread::yield();
+    } else {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
 }
+
+// Keys per split at least: a split's fixed cost (its query rows, its partial state, the merge)
+// stays small beside its keys.
+constexpr int64_t kMinSplit = 1024;
 
 template <typename T>
 void run_all(const Dims& d, ffi::ThreadPool& pool, const void* q, const void* k, const void* v,
              const int32_t* q_offset, const int32_t* kv_length, const int32_t* kv_pos, void* out,
              float* lse) {
-  parallel_for(pool, d.batch * d.kv_heads, [&](int64_t item) {
-    attend<T>(d, item / d.kv_heads, item % d.kv_heads, static_cast<const T*>(q),
-              static_cast<const T*>(k), static_cast<const T*>(v), q_offset, kv_length, kv_pos,
-              static_cast<T*>(out), lse);
+  // Work items are (batch row, kv head, split of its keys): with fewer (batch row, kv head)
+  // pairs than a few per thread (one sequence with few kv heads), each one's keys are split so
+  // that every thread streams its share, and the splits are merged after.
+  const int64_t items = d.batch * d.kv_heads, threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t splits = 1;
+  if (items < 4 * threads) {
+    splits = std::clamp<int64_t>((4 * threads + items - 1) / items, 1,
+                                 std::max<int64_t>(1, d.kv_seq / kMinSplit));
+  }
+  const int64_t rows = d.group() * d.q_seq, width = rows * (d.dv + 2);
+  std::vector<float> state(items * splits * width);
+  std::vector<char> nans(items * splits * rows);
+  std::vector<Partial> parts(items * splits);
+  for (int64_t i = 0; i < items * splits; ++i) {
+    float* base = state.data() + i * width;
+    parts[i] = {base, base + rows, nans.data() + i * rows, base + 2 * rows};
+  }
+  parallel_for(pool, items * splits, [&](int64_t i) {
+    const int64_t item = i / splits;
+    attend<T>(d, item / d.kv_heads, item % d.kv_heads, i % splits, splits,
+              static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+              q_offset, kv_length, kv_pos, parts[i]);
   });
+  for (int64_t item = 0; item < items; ++item) {
+    finish<T>(d, item / d.kv_heads, item % d.kv_heads, splits, parts.data() + item * splits,
+              static_cast<T*>(out), lse);
+  }
 }
 
 ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -598,16 +712,28 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 //
 // A decode step multiplies one row (or a batch's few rows) by every weight matrix: each weight
 // is streamed from memory once, and that is what the step costs at best. Each thread takes its
-// own range of output rows and streams them kMmOut rows at a time, against kMmRows input rows
-// held in registers (the other input rows re-read the same weight rows from L1/L2). bfloat16
-// weights are widened as they are loaded; sums run in float32.
+// own range of output rows and streams them a tile of NO weight rows at a time against up to
+// kMmRows input rows held with their sums in registers: every weight element is loaded once per
+// group of input rows, so with a group covering all the rows the product reads the weight once
+// and spends kMmRows multiply-adds on each element it loads. bfloat16 weights are widened as
+// they are loaded, or, with AVX512-BF16, multiplied as they are by the CPU's bfloat16 dot
+// products; sums run in float32.
 
 #if defined(__AVX512F__)
-constexpr int kMmRows = 4;  // 4 x 4 accumulators + 4 weight vectors fit AVX-512's 32 registers
+constexpr int kMmRegisters = 32;
+constexpr int kMmRows = 8;
 #else
-constexpr int kMmRows = 2;  // 2 x 4 + 4 fit the 16 of AVX2 and SSE
+constexpr int kMmRegisters = 16;  // AVX2, SSE and NEON
+constexpr int kMmRows = 4;
 #endif
-constexpr int kMmOut = 4;
+
+// Weight rows per tile for nr input rows: nr * NO sums, NO weight vectors and one input vector
+// in registers, at most 4 (one `sum4`).
+constexpr int mm_out_tile(int nr) {
+  const int fit = (kMmRegisters - 2) / (nr + 1);
+  return fit < 1 ? 1 : (fit > 4 ? 4 : fit);
+}
+
 // Below this many weight elements one thread streams the matrix faster than several start.
 constexpr int64_t kMmParallel = 1 << 16;
 
@@ -615,23 +741,25 @@ constexpr int64_t kMmParallel = 1 << 16;
 template <int NR, int NO, typename T>
 inline void mm_tile(const float* __restrict x, int64_t in, const T* __restrict w,
                     float* __restrict out) {
-  vf32 acc[NR][kMmOut] = {};
+  vf32 acc[NR][4] = {};
   int64_t i = 0;
   for (; i + kLanes <= in; i += kLanes) {
     vf32 wv[NO];
-    for (int o = 0; o < NO; ++o) wv[o] = vload(w + o * in + i);
+    for (int o = 0; o < NO; ++o) {
+      // The next tile's rows, a tile ahead of the loads: the hardware prefetcher alone keeps
+      // fewer of a tile's streams in flight (a 1-row product of a weight in memory streams
+      // 1.3-1.6x faster with it). A prefetch past the end of the weight does not fault.
+      __builtin_prefetch(w + (NO + o) * in + i);
+      wv[o] = vload(w + o * in + i);
+    }
     for (int r = 0; r < NR; ++r) {
       const vf32 xv = vload(x + r * in + i);
       for (int o = 0; o < NO; ++o) acc[r][o] += xv * wv[o];
     }
   }
   for (int r = 0; r < NR; ++r) {
-    float sums[kMmOut];
-    if constexpr (NO == kMmOut) {
-      sum4(acc[r], sums);
-    } else {
-      for (int o = 0; o < NO; ++o) sums[o] = hsum(acc[r][o]);
-    }
+    float sums[4];
+    sum4(acc[r], sums);  // the unused sums are zero
     for (int o = 0; o < NO; ++o) {
       float t = sums[o];
       for (int64_t j = i; j < in; ++j) t += x[r * in + j] * load(w + o * in + j);
@@ -647,27 +775,26 @@ inline void mm_tile(const float* __restrict x, int64_t in, const T* __restrict w
 template <int NR, int NO>
 inline void mm_tile_bf16(const uint16_t* __restrict x, int64_t in, const uint16_t* __restrict w,
                          float* __restrict out) {
-  __m512 acc[NR][kMmOut];
+  __m512 acc[NR][4];
   for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
+    for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 32 <= in; i += 32) {
     __m512bh wv[NO];
-    for (int o = 0; o < NO; ++o) wv[o] = (__m512bh)_mm512_loadu_si512(w + o * in + i);
+    for (int o = 0; o < NO; ++o) {
+      __builtin_prefetch(w + (NO + o) * in + i);  // as above
+      wv[o] = (__m512bh)_mm512_loadu_si512(w + o * in + i);
+    }
     for (int r = 0; r < NR; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * in + i);
       for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
     }
   }
   for (int r = 0; r < NR; ++r) {
-    float sums[kMmOut];
-    if constexpr (NO == kMmOut) {
-      vf32 four[kMmOut];  // the four sums of a row reduced together
-      std::memcpy(four, acc[r], sizeof four);
-      sum4(four, sums);
-    } else {
-      for (int o = 0; o < NO; ++o) sums[o] = _mm512_reduce_add_ps(acc[r][o]);
-    }
+    vf32 four[4];  // the four sums of a row reduced together (the unused ones are zero)
+    std::memcpy(four, acc[r], sizeof four);
+    float sums[4];
+    sum4(four, sums);
     for (int o = 0; o < NO; ++o) {
       float t = sums[o];
       for (int64_t j = i; j < in; ++j) t += load(x + r * in + j) * load(w + o * in + j);
@@ -677,7 +804,7 @@ inline void mm_tile_bf16(const uint16_t* __restrict x, int64_t in, const uint16_
 }
 #endif
 
-// Calls fn(std::integral_constant<int, N>) for n in 1..4.
+// Calls fn(std::integral_constant<int, N>) for n in 1..8.
 template <typename F>
 inline void with_count(int64_t n, F fn) {
   switch (n) {
@@ -685,52 +812,85 @@ inline void with_count(int64_t n, F fn) {
     case 2: return fn(std::integral_constant<int, 2>{});
     case 3: return fn(std::integral_constant<int, 3>{});
     case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
     default: return;
   }
 }
 
-// Output rows [o0, o1) of y = x w^T for every input row (x: float32 rows, or with
+// Output rows [o0, o1) of y = x w^T for input rows [r0, r0 + NR) (x: float32 rows, or with
 // AVX512-BF16 the bfloat16 rows themselves).
-template <typename X, typename T>
-void mm_rows(const X* x, int64_t rows, int64_t in, const T* w, int64_t out, int64_t o0,
-             int64_t o1, T* y) {
-  float tile[kMmRows * kMmOut];
-  for (int64_t o = o0; o < o1; o += kMmOut) {
-    const int64_t no = std::min<int64_t>(kMmOut, o1 - o);
-    for (int64_t r = 0; r < rows; r += kMmRows) {
-      const int64_t nr = std::min<int64_t>(kMmRows, rows - r);
-      with_count(nr, [&](auto NR) {
-        with_count(no, [&](auto NO) {
-          constexpr int kr = decltype(NR)::value, ko = decltype(NO)::value;
-          if constexpr (kr <= kMmRows) {
+template <int NR, typename X, typename T>
+void mm_group(const X* x, int64_t r0, int64_t in, const T* w, int64_t out, int64_t o0,
+              int64_t o1, T* y) {
+  constexpr int kOut = mm_out_tile(NR);
+  float tile[NR * kOut];
+  for (int64_t o = o0; o < o1; o += kOut) {
+    const int64_t no = std::min<int64_t>(kOut, o1 - o);
+    with_count(no, [&](auto NO) {
+      constexpr int ko = decltype(NO)::value;
+      if constexpr (ko <= kOut) {
 #if defined(__AVX512BF16__)
-            if constexpr (std::is_same_v<X, uint16_t>) {
-              mm_tile_bf16<kr, ko>(x + r * in, in, w + o * in, tile);
-              return;
-            }
+        if constexpr (std::is_same_v<X, uint16_t>) {
+          mm_tile_bf16<NR, ko>(x + r0 * in, in, w + o * in, tile);
+        }
 #endif
-            if constexpr (std::is_same_v<X, float>) {
-              mm_tile<kr, ko>(x + r * in, in, w + o * in, tile);
-            }
-          }
-        });
-      });
-      for (int64_t a = 0; a < nr; ++a)
-        for (int64_t b = 0; b < no; ++b) store(y + (r + a) * out + o + b, tile[a * no + b]);
-    }
+        if constexpr (std::is_same_v<X, float>) {
+          mm_tile<NR, ko>(x + r0 * in, in, w + o * in, tile);
+        }
+      }
+    });
+    for (int64_t a = 0; a < NR; ++a)
+      for (int64_t b = 0; b < no; ++b) store(y + (r0 + a) * out + o + b, tile[a * no + b]);
   }
 }
 
-template <typename T>
-void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in, const T* w,
-            int64_t out, T* y) {
-  int64_t chunks = 1;
-  if (out * in >= kMmParallel) {
-    // A few chunks per thread, each a whole number of output tiles, so that a thread that
-    // is late to start leaves its share to the others.
-    chunks = std::min<int64_t>(4 * pool.num_threads(), (out + kMmOut - 1) / kMmOut);
+// Output rows [o0, o1) for every input row, in groups of at most kMmRows rows of equal size
+// (12 rows are two groups of 6, not 8 and 4).
+template <typename X, typename T>
+void mm_rows(const X* x, int64_t rows, int64_t in, const T* w, int64_t out, int64_t o0,
+             int64_t o1, T* y) {
+  const int64_t groups = (rows + kMmRows - 1) / kMmRows;
+  for (int64_t g = 0, r = 0; g < groups; ++g) {
+    const int64_t nr = (rows - r) / (groups - g) + ((rows - r) % (groups - g) != 0);
+    with_count(nr, [&](auto NR) {
+      if constexpr (decltype(NR)::value <= kMmRows) {
+        mm_group<decltype(NR)::value>(x, r, in, w, out, o0, o1, y);
+      }
+    });
+    r += nr;
   }
-  const int64_t per = ((out + chunks - 1) / chunks + kMmOut - 1) / kMmOut * kMmOut;
+}
+
+// One weight of a product call: y = x w^T, w [out, in].
+struct MmWeight {
+  const void* w;
+  void* y;
+  int64_t out;
+};
+
+// y_j = x w_j^T for every weight w_j of one call (a layer's q, k and v projections are one call:
+// the threads start once for all three). The output rows of all the weights are cut into
+// chunks of about equal size, a few per thread, each a whole number of 4-row tiles, so that a
+// thread that is late to start leaves its share to the others.
+template <typename T>
+void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
+            const std::vector<MmWeight>& weights) {
+  int64_t elements = 0;
+  for (const auto& wt : weights) elements += wt.out * in;
+  const int64_t chunks =
+      elements >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
+  const int64_t per = std::max<int64_t>(1, (elements + chunks - 1) / chunks / std::max<int64_t>(in, 1));
+  const int64_t step = (per + 3) / 4 * 4;  // weight rows per chunk
+  struct Chunk {
+    int64_t weight, o0, o1;
+  };
+  std::vector<Chunk> parts;
+  for (int64_t j = 0; j < static_cast<int64_t>(weights.size()); ++j)
+    for (int64_t o = 0; o < weights[j].out; o += step)
+      parts.push_back({j, o, std::min<int64_t>(weights[j].out, o + step)});
 #if defined(__AVX512BF16__)
   const bool widen = false;  // bfloat16 rows go to the dot products as they are
 #else
@@ -738,41 +898,124 @@ void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in, const T
 #endif
   std::vector<float> widened(widen ? rows * in : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(widened.size()); ++i) widened[i] = load(x + i);
-  parallel_for(pool, chunks, [&](int64_t c) {
-    const int64_t o0 = c * per, o1 = std::min<int64_t>(out, o0 + per);
-    if (o0 >= o1) return;
+  parallel_for(pool, static_cast<int64_t>(parts.size()), [&](int64_t c) {
+    const Chunk& part = parts[c];
+    const MmWeight& wt = weights[part.weight];
+    const T* w = static_cast<const T*>(wt.w);
+    T* y = static_cast<T*>(wt.y);
     if (widen) {
-      mm_rows<float, T>(widened.data(), rows, in, w, out, o0, o1, y);
+      mm_rows<float, T>(widened.data(), rows, in, w, wt.out, part.o0, part.o1, y);
     } else {
-      mm_rows<T, T>(x, rows, in, w, out, o0, o1, y);
+      mm_rows<T, T>(x, rows, in, w, wt.out, part.o0, part.o1, y);
     }
   });
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::Result<ffi::AnyBuffer> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[1]) {
+// x [..., in] and weights w_j [out_j, in] (all float32 or all bfloat16) to y_j [..., out_j].
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                  ffi::RemainingRets ys) {
+  const auto xd = x.dimensions();
+  const auto dtype = x.element_type();
+  if (xd.size() < 1 || ws.size() == 0 || ws.size() != ys.size()) {
     return ffi::Error::InvalidArgument(
-        "treeattn_cpu_matmul: x must be [..., in] and w [out, in] with the same in");
+        "treeattn_cpu_matmul: x [..., in], then weights [out, in], one result per weight");
   }
-  const int64_t in = wd[1], out = wd[0];
+  if (dtype != ffi::F32 && dtype != ffi::BF16) {
+    return ffi::Error::InvalidArgument("treeattn_cpu_matmul: dtype must be float32 or bfloat16");
+  }
+  const int64_t in = xd.back();
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
-  const auto dtype = x.element_type();
-  if (w.element_type() != dtype || y->element_type() != dtype) {
-    return ffi::Error::InvalidArgument("treeattn_cpu_matmul: x, w and y must share a dtype");
+  std::vector<MmWeight> weights;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    auto y = ys.get<ffi::AnyBuffer>(j);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("treeattn_cpu_matmul: weights and results are buffers");
+    }
+    const auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[1] != in || w->element_type() != dtype ||
+        (*y)->element_type() != dtype || (*y)->element_count() != rows * wd[0]) {
+      return ffi::Error::InvalidArgument(
+          "treeattn_cpu_matmul: each weight must be [out, in] with x's in and dtype, its result "
+          "[..., out]");
+    }
+    weights.push_back({w->untyped_data(), (*y)->untyped_data(), wd[0]});
   }
   if (dtype == ffi::F32) {
-    matmul<float>(pool, static_cast<const float*>(x.untyped_data()), rows, in,
-                  static_cast<const float*>(w.untyped_data()), out,
-                  static_cast<float*>(y->untyped_data()));
-  } else if (dtype == ffi::BF16) {
-    matmul<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()), rows, in,
-                     static_cast<const uint16_t*>(w.untyped_data()), out,
-                     static_cast<uint16_t*>(y->untyped_data()));
+    matmul<float>(pool, static_cast<const float*>(x.untyped_data()), rows, in, weights);
   } else {
-    return ffi::Error::InvalidArgument("treeattn_cpu_matmul: dtype must be float32 or bfloat16");
+    matmul<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()), rows, in, weights);
+  }
+  return ffi::Error::Success();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Slice writes into a KV cache: y = x with update[r] at starts[r], for each r
+// ---------------------------------------------------------------------------------------------
+//
+// XLA:CPU updates a slice of a 32-bit buffer in place, but a 16-bit float one (bfloat16,
+// float16) through a pass over the whole buffer: a decode step would read and write all of a
+// long cache to add one token. Here the buffer is the result (aliased; XLA copies it first
+// only if it must keep the original), and only the updates' bytes are written. Starts are
+// clamped so that each update fits, as in XLA's dynamic-update-slice.
+
+ffi::Error Write(ffi::AnyBuffer buffer, ffi::AnyBuffer updates, ffi::Buffer<ffi::S32> starts,
+                 ffi::Result<ffi::AnyBuffer> out) {
+  const auto bd = buffer.dimensions(), ud = updates.dimensions(), sd = starts.dimensions();
+  const size_t rank = bd.size();
+  if (ud.size() != rank + 1 || sd.size() != 2 || sd[0] != ud[0] ||
+      sd[1] != static_cast<int64_t>(rank) || updates.element_type() != buffer.element_type() ||
+      out->element_type() != buffer.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "treeattn_cpu_write: buffer [*dims], updates [rows, *dims'] of its dtype, starts "
+        "[rows, rank]");
+  }
+  const int64_t size = static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+  char* dst = static_cast<char*>(out->untyped_data());
+  const char* src = static_cast<const char*>(updates.untyped_data());
+  // Strides (elements) of the buffer and of one update, row-major.
+  std::vector<int64_t> bstride(rank, 1), ustride(rank, 1);
+  for (size_t d = rank; d-- > 1;) {
+    bstride[d - 1] = bstride[d] * bd[d];
+    ustride[d - 1] = ustride[d] * ud[d + 1];
+  }
+  for (size_t d = 0; d < rank; ++d) {
+    if (ud[d + 1] > bd[d]) {
+      return ffi::Error::InvalidArgument("treeattn_cpu_write: an update is larger than the buffer");
+    }
+  }
+  int64_t count = 1;  // elements of one update
+  for (size_t d = 0; d < rank; ++d) count *= ud[d + 1];
+  // One contiguous run of bytes: the innermost dimensions an update spans whole, and the
+  // next one out (dimension `inner`); the dimensions outside it are walked.
+  size_t inner = rank;
+  int64_t run = 1;
+  while (inner > 0) {
+    --inner;
+    run *= ud[inner + 1];
+    if (ud[inner + 1] != bd[inner]) break;
+  }
+  const int32_t* st = starts.typed_data();
+  std::vector<int64_t> at(rank), idx(rank);
+  for (int64_t r = 0; r < ud[0]; ++r) {
+    for (size_t d = 0; d < rank; ++d) {
+      at[d] = std::clamp<int64_t>(st[r * rank + d], 0, bd[d] - ud[d + 1]);
+    }
+    const char* from = src + r * count * size;
+    // Walk the runs of this update in row-major order.
+    std::fill(idx.begin(), idx.end(), 0);
+    for (int64_t done = 0; done < count; done += run) {
+      int64_t offset = 0;
+      for (size_t d = 0; d < rank; ++d) offset += (at[d] + idx[d]) * bstride[d];
+      std::memcpy(dst + offset * size, from + done * size, run * size);
+      // Next run: advance the index over the dimensions outside the run.
+      for (size_t d = inner; d-- > 0;) {
+        if (++idx[d] < ud[d + 1]) break;
+        idx[d] = 0;
+      }
+    }
   }
   return ffi::Error::Success();
 }
@@ -801,5 +1044,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmul, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuWrite, Write,
+                              ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());

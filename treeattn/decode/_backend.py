@@ -200,9 +200,10 @@ def cache_layout(
 ) -> Layout:
     """The layout of a KV cache that `backend` reads where it lies: that of the kernel it
     runs for a decode step (one query per row over a partly filled cache) of these sizes,
-    dtype and `energy` when lowered for `platform` (default: this process's) — e.g.
-    head-major `"bhsd"` for the C++ CPU kernel and the `"energy"` kernel, `"bshd"` for the GPU
-    kernels. A cache in the other layout is transposed on every step."""
+    dtype and `energy` when lowered for `platform` (default: this process's, or, for a kernel
+    this process cannot run, e.g. cuDNN on a CPU host lowering for a GPU, the platform that
+    runs it) — e.g. head-major `"bhsd"` for the C++ CPU kernel and the `"energy"` kernel,
+    `"bshd"` for the GPU kernels. A cache in the other layout is transposed on every step."""
     be = AttentionBackend.of(backend)
     energy = check_energy("cache_layout", energy)
     dims = Dims(1, 64, num_heads, num_kv_heads, head_dim, head_dim, 1, "bhsd")
@@ -210,5 +211,7 @@ def cache_layout(
         causal=True, has_length=True, q_offset=None, has_positions=False, energy=energy
     )
     call = kernel_call(dims, dtype, **kw)
-    name = resolve("cache_layout", be.kernel, call).kernel(platform or call.host)
-    return KERNELS[name].layout
+    choice = resolve("cache_layout", be.kernel, call)
+    if platform is None and call.host not in dict(choice.kernels):
+        return KERNELS[choice.kernels[0][1]].layout
+    return KERNELS[choice.kernel(platform or call.host)].layout

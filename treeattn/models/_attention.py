@@ -17,7 +17,7 @@ from .._numerics import Dims, Window, check_window, visibility
 from ..decode import AttentionBackend, AttentionName, cache_layout
 from ..energy import Energy, LinearKernel, Softmax
 from ._cache import Cache, KVCache, LinearCache
-from ._layers import RMSNorm, RotaryEmbedding, apply_linear
+from ._layers import RMSNorm, RotaryEmbedding, apply_linear, apply_linears
 
 
 SOFTMAX = Softmax()
@@ -189,8 +189,16 @@ class MultiheadAttention(eqx.Module):
         self.local_window_size = check_window("MultiheadAttention", local_window_size)
         self.backend = AttentionBackend.of(backend, mesh, kv_axis)
 
-    def _project(self, proj, x, heads):
-        return apply_linear(proj, x).reshape(x.shape[0], heads, -1)
+    def _project(self, query, key_, value):
+        """The query, key and value heads; self-attention's three projections of one input
+        are one product call."""
+        projs = (self.query_proj, self.key_proj, self.value_proj)
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        if query is key_ and key_ is value:
+            ys = apply_linears(projs, query)
+        else:
+            ys = tuple(apply_linear(p, x) for p, x in zip(projs, (query, key_, value), strict=True))
+        return tuple(y.reshape(y.shape[0], h, -1) for y, h in zip(ys, heads, strict=True))
 
     @jax.named_scope("treeattn.models.MultiheadAttention")
     def __call__(
@@ -229,9 +237,7 @@ class MultiheadAttention(eqx.Module):
             raise ValueError("key and value must both be sequences of equal length.")
         check_layer_mask(mask, q_seq, kv_seq, self.num_heads)
         be = self.backend if backend is None else AttentionBackend.of(backend)
-        q = self._project(self.query_proj, query, self.num_heads)
-        k = self._project(self.key_proj, key_, self.num_kv_heads)
-        v = self._project(self.value_proj, value, self.num_kv_heads)
+        q, k, v = self._project(query, key_, value)
         # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
         with jax.numpy_dtype_promotion("standard"):
             heads_dtype = jnp.result_type(q, k, v)

@@ -5,7 +5,6 @@ optionally sharded round-robin over devices; and the linear-attention cache, one
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -16,6 +15,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from .._native import WRITE_TARGET, load_kernel
 from .._numerics import LAYOUTS, Layout
 from .._sharding import SequenceSharding
 from ..decode import AttentionBackend
@@ -326,10 +326,10 @@ def write_at(
     Under `jax.vmap` with one start per row (a batch of caches of different lengths), JAX
     lowers a slice update to a scatter; XLA:CPU has no scatter of bfloat16 or float16 and then
     converts the whole buffer to float32 and back, on every decode step. Here each row is one
-    slice update of the batched buffer instead (`_write_rows`), which XLA does in place on a
-    donated or loop-carried buffer, for every dtype. Start indices are clamped so the update
-    fits, as in `lax.dynamic_update_slice`. Differentiable (the tangent is the same write of
-    the tangents)."""
+    slice write of the batched buffer instead (`_write_slices`), in place on a donated or
+    loop-carried buffer, for every dtype (a 16-bit float one by treeattn's C++ write on CPU).
+    Start indices are clamped so the update fits, as in `lax.dynamic_update_slice`.
+    Differentiable (the tangent is the same write of the tangents)."""
     starts = jnp.zeros((buffer.ndim,), jnp.int32).at[axis].set(jnp.asarray(start, jnp.int32))
     return _write(buffer, update, starts)
 
@@ -348,42 +348,77 @@ def _write_jvp(primals, tangents):
     return _write(buffer, update, starts), d_out
 
 
-@jax.custom_batching.custom_vmap
 def _write_rows(buffer, update, starts):
-    update = update.astype(buffer.dtype)
-    if not (jnp.issubdtype(buffer.dtype, jnp.floating) and buffer.dtype.itemsize < 4):
-        return jax.lax.dynamic_update_slice(buffer, update, tuple(starts))
-    # XLA:CPU widens a slice update of a 16-bit float to float32 (the whole buffer, there and
-    # back); of the same bits as integers it writes only the slice.
-    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
-    as_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=bits)
-    out = jax.lax.dynamic_update_slice(as_bits(buffer), as_bits(update), tuple(starts))
-    return jax.lax.bitcast_convert_type(out, buffer.dtype)
+    return _write_slices(buffer, update[None], starts[None])
 
 
-@_write_rows.def_vmap
-def _write_rows_vmap(axis_size, in_batched, buffer, update, starts):
-    buffer_batched, update_batched, starts_batched = in_batched
+def _narrow(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
+@jax.custom_batching.custom_vmap
+def _write_slices(buffer, updates, starts):
+    """`buffer` with each `updates[r]` written at `starts[r]` (`[rows, buffer.ndim]`, clamped
+    so that it fits): on XLA:CPU a 16-bit float buffer by treeattn's C++ write, in place, when
+    it is built; else one slice update per row."""
+    updates = updates.astype(buffer.dtype)
+    if _narrow(buffer.dtype) and load_kernel() is None:
+        return jax.lax.platform_dependent(
+            buffer, updates, starts, cpu=_native_write, default=_slice_updates
+        )
+    return _slice_updates(buffer, updates, starts)
+
+
+def _native_write(buffer, updates, starts):
+    # The result is the buffer itself (aliased): XLA:CPU writes only the updates' bytes.
+    out = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
+    return jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0})(
+        buffer, updates, starts.astype(jnp.int32)
+    )
+
+
+def _slice_updates(buffer, updates, starts):
+    """One `lax.dynamic_update_slice` per row (a loop over a handful of rows, unrolled).
+    XLA:CPU widens a slice update of a 16-bit float to float32 (the whole buffer, there and
+    back); of the same bits as integers it writes the slice, though still through a pass over
+    the buffer (what `_native_write` avoids)."""
+    narrow = _narrow(buffer.dtype)
+    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}") if narrow else buffer.dtype
+
+    def as_bits(x):
+        return jax.lax.bitcast_convert_type(x, bits) if narrow else x
+
+    out = as_bits(buffer)
+
+    def row(i, out):
+        return jax.lax.dynamic_update_slice(out, as_bits(updates[i]), tuple(starts[i]))
+
+    if updates.shape[0] <= _UNROLL_ROWS:
+        for i in range(updates.shape[0]):
+            out = row(i, out)
+    else:
+        out = jax.lax.fori_loop(0, updates.shape[0], row, out)
+    return jax.lax.bitcast_convert_type(out, buffer.dtype) if narrow else out
+
+
+@_write_slices.def_vmap
+def _write_slices_vmap(axis_size, in_batched, buffer, updates, starts):
+    # Every row of every vmapped buffer is one slice write of the batched buffer: its index
+    # along the new axis joins the starts.
+    buffer_batched, updates_batched, starts_batched = in_batched
     if not buffer_batched:  # one buffer written differently per row: a buffer per row
         buffer = jnp.broadcast_to(buffer, (axis_size, *buffer.shape))
-    first = jnp.zeros((1,), jnp.int32)
-    if not starts_batched:  # the same slot in every row: one slice update of the batch
-        if not update_batched:
-            update = jnp.broadcast_to(update, (axis_size, *update.shape))
-        return _write_rows(buffer, update, jnp.concatenate([first, starts])), True
-
-    def row(i, buffer):
-        one = update[i] if update_batched else update
-        at = jnp.concatenate([first + i, starts[i]])
-        # Itself a `_write_rows`: under a further vmap, its rows are written the same way.
-        return _write_rows(buffer, one[None], at)
-
-    # One slice update per row on the one buffer (a loop over a handful of rows, unrolled).
-    if axis_size <= _UNROLL_ROWS:
-        for i in range(axis_size):
-            buffer = row(jnp.int32(i), buffer)
-        return buffer, True
-    return jax.lax.fori_loop(0, axis_size, row, buffer), True
+    if not updates_batched:
+        updates = jnp.broadcast_to(updates, (axis_size, *updates.shape))
+    if not starts_batched:
+        starts = jnp.broadcast_to(starts, (axis_size, *starts.shape))
+    rows = updates.shape[1]
+    index = jnp.broadcast_to(
+        jnp.arange(axis_size, dtype=jnp.int32)[:, None, None], (axis_size, rows, 1)
+    )
+    starts = jnp.concatenate([index, starts.astype(jnp.int32)], axis=2).reshape(-1, buffer.ndim)
+    updates = updates.reshape(-1, 1, *updates.shape[2:])
+    return _write_slices(buffer, updates, starts), True
 
 
 _UNROLL_ROWS = 16

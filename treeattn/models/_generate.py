@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..decode import AttentionBackend, AttentionName
@@ -54,18 +55,31 @@ class Prepared:
         self.energy = model.energy
         self._model = model
         self._programs: dict[Any, Callable] = {}
+        self._placed: dict[Any, list] = {}
 
     @property
     def model(self) -> Transformer:
         return self._model
 
-    def program(self, kind: str, backend: AttentionBackend, **options) -> Callable:
+    def program(self, kind: str, backend: AttentionBackend, **options) -> Any:
         """The compiled program `kind` (`"forward"` or `"generate"`) on `backend`, made once."""
         key = (kind, backend, tuple(sorted(options.items())))
         if key not in self._programs:
             build = _forward if kind == "forward" else _generate_loop
             self._programs[key] = build(self, backend, **options)
         return self._programs[key]
+
+    def weights(self, backend: AttentionBackend) -> list:
+        """The flat weights as `backend`'s programs take them: on its mesh, replicated, placed
+        once per mesh (a program given weights on one device would copy them to every device
+        of the mesh on every call)."""
+        mesh = backend.mesh
+        if mesh is None:
+            return self.leaves
+        if mesh not in self._placed:
+            replicated = NamedSharding(mesh, PartitionSpec())
+            self._placed[mesh] = jax.device_put(self.leaves, replicated)
+        return self._placed[mesh]
 
     def combine(self, leaves) -> Transformer:
         return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
@@ -194,8 +208,30 @@ class Decoder:
 
     @property
     def cache(self) -> Cache:
-        """The cache as it stands (its length on the host)."""
+        """The cache as it stands (its length on the host). Assign a cache of the same
+        structure, shapes and dtypes (e.g. one filled elsewhere, or this one read back) to
+        continue from it; its buffers are then the decoder's (donated to its next call)."""
         return on_host(jax.tree.unflatten(self._cache_def, self._leaves), self._length)
+
+    @cache.setter
+    def cache(self, cache: Cache) -> None:
+        def spec(cache):
+            leaves, treedef = jax.tree.flatten(cache)
+            return treedef, [(np.shape(x), np.result_type(x)) for x in leaves]
+
+        mine, theirs = spec(self.cache), spec(cache)
+        if mine != theirs:
+            raise ValueError(
+                f"Decoder.cache: the cache must have the structure, shapes and dtypes of the "
+                f"decoder's, {mine[1]}; got {theirs[1]}"
+            )
+        length = held(cache)
+        if length is None or int(np.max(length, initial=0)) > self.max_len:
+            raise ValueError(
+                f"Decoder.cache: the cache's length must be concrete and at most "
+                f"max_len={self.max_len}, got {cache.length}"
+            )
+        self._set(on_host(cache, length))
 
     @property
     def length(self) -> int | np.ndarray:
@@ -222,7 +258,23 @@ class Decoder:
         most = int(np.max(self._length)) if self._length.size else 0
         if most + n > self.max_len:
             raise ValueError(_overflow_message(n, most, self.max_len))
-        run = self._prep.program(
+        weights = self._prep.weights(self.backend)
+        logits, self._leaves = self._program(keep, step)(weights, tokens, self._leaves)
+        self._length = self._length + np.int32(n)
+        return logits
+
+    def compiled_step(self) -> jax.stages.Compiled:
+        """The program `step` runs, compiled for inspection: its `as_text()` and
+        `memory_analysis()` show what a step computes and what it holds (e.g. that no weight
+        or cache buffer is copied)."""
+        rows = self.batch is not None
+        run = self._program(keep=0, step=True)
+        token = jax.ShapeDtypeStruct((self.batch,) if rows else (), jnp.int32)
+        leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self._leaves]
+        return run.lower(self._prep.weights(self.backend), token, leaves).compile()
+
+    def _program(self, keep: int, step: bool) -> Any:
+        return self._prep.program(
             "forward",
             self.backend,
             cache_def=self._cache_def,
@@ -230,9 +282,6 @@ class Decoder:
             keep=keep,
             step=step,
         )
-        logits, self._leaves = run(self._prep.leaves, tokens, self._leaves)
-        self._length = self._length + np.int32(n)
-        return logits
 
     def prefill(
         self,
@@ -304,7 +353,7 @@ class Decoder:
             top_k=top_k,
             rows=self.batch is not None,
         )
-        out, cache = run(prep.leaves, prompts, mask, _host_checked(self.cache), keys)
+        out, cache = run(prep.weights(self.backend), prompts, mask, _host_checked(self.cache), keys)
         # The host knows what each row now holds without waiting for the loop.
         added = np.full((rows,), prompts.shape[1]) if mask is None else np.sum(mask, axis=1)
         added = added if self.batch is not None else added[0]
@@ -372,7 +421,7 @@ def _call(model, tokens, cache, backend):
         return cast(tuple[Array, Cache], prep.model(tokens, cache, backend=be))
     leaves, cache_def = jax.tree.flatten(_host_checked(cache))
     run = prep.program("forward", be, cache_def=cache_def, rows=False, keep=0, step=False)
-    logits, leaves = run(prep.leaves, tokens, leaves)
+    logits, leaves = run(prep.weights(be), tokens, leaves)
     return logits, on_host(jax.tree.unflatten(cache_def, leaves), length)
 
 

