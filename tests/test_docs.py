@@ -12,7 +12,9 @@ PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-@pytest.mark.fast(page=ROOT / "README.md")
+# The fast tier runs the energies page (seconds); the README loads a real checkpoint, which
+# tests/test_gguf.py checks in its own fast cases.
+@pytest.mark.fast(page=ROOT / "docs" / "energies.md")
 @pytest.mark.parametrize("page", [p for p in PAGES if BLOCK.search(p.read_text())], ids=str)
 def test_page_examples_run(page):
     namespace: dict = {}

@@ -50,7 +50,8 @@ CHAT = [
 ]
 
 
-@pytest.fixture(scope="module")
+# Loaded once per worker (by treeattn and by transformers: about 30 s).
+@pytest.fixture(scope="session")
 def smollm2():
     """The real file, loaded once by treeattn and by transformers (model and tokenizer)."""
     path = smollm2_gguf()  # a FileNotFoundError says how to install it
@@ -88,6 +89,7 @@ def test_smollm2_logits_match_transformers(smollm2):
     assert err <= 1e-4
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_are_the_argmax_of_transformers_full_forward(smollm2):
     """treeattn's greedy generation (prefill, then one compiled decode loop) picks, at every new
     position, the argmax of transformers' full forward over the whole sequence."""
