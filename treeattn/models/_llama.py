@@ -91,8 +91,9 @@ class Transformer(eqx.Module):
     The `num_hidden_layers` blocks are stored stacked (every array has a leading layer axis)
     and, without a cache, run with `lax.scan`, so compile time does not grow with depth. With a
     cache the layers run one after another, each updating its own cache buffer in place (see
-    `KVCache`); `unstack_layers()` gives each layer its own arrays too, which a decode step
-    needs to read each weight once. Unbatched: `tokens[seq]`; batch with `jax.vmap`.
+    `KVCache`). Decoding (`decoder()`, `prefill`, `decode_step`, `generate`) prepares the
+    weights once with one set of arrays per layer, so that a step reads each weight where it
+    lies. Unbatched: `tokens[seq]`; batch with `jax.vmap`.
 
     ```python
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -191,10 +192,10 @@ class Transformer(eqx.Module):
     def unstack_layers(self) -> Transformer:
         """The same model with one set of arrays per layer (`layers` a tuple of blocks).
 
-        Decoding reads every weight once per step only from unstacked layers: XLA
-        materialises a slice of a stacked weight before the matrix product reads it, which
-        copies all the weights on every step. Training, `save_pretrained` and compile time
-        prefer the stacked form (one `lax.scan`); `stack_layers` goes back.
+        A step that reads a stacked weight through a slice makes XLA materialise the slice,
+        a copy of every weight per step; the decoding calls (`Decoder`, `decode_step`, ...)
+        therefore unstack a model once themselves. Training, `save_pretrained` and compile
+        time prefer the stacked form (one `lax.scan`); `stack_layers` goes back.
         """
         if isinstance(self.layers, tuple):
             return self
