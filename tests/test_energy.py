@@ -210,7 +210,7 @@ def test_all_masked_query_gives_zero_and_no_nan(getkey):
     mask = jnp.ones((4, 6), bool).at[1].set(False)
     out = energy_attention(q, k, v, mask=mask)
     assert np.all(out[1] == 0) and np.isfinite(out).all()
-    np.testing.assert_allclose(out, attention_reference(q, k, v, mask=mask), atol=1e-6)
+    np.testing.assert_allclose(out, attention_reference(q, k, v, mask=mask), rtol=4e-6, atol=2e-6)
     # F of the empty query is log 0 = -inf, and so is F_tot; every derivative stays finite.
     zeta = jnp.zeros((4, 2, 3))
     assert multihead_free_energy(q, k, v, zeta, mask=mask) == -jnp.inf

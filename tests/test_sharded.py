@@ -60,7 +60,7 @@ def test_matches_unsharded_and_numpy(p, reduction, getkey):
     out = jit_tree(tree_energy_attention, **tk, **kw)(q, k, v)
     assert out.shape == (SHAPE[0], SHAPE[2], SHAPE[5]) and out.dtype == jnp.float32
     assert ref.rel_err(out, ref.attention(q, k, v, **kw)) <= TOL[jnp.float32]
-    np.testing.assert_allclose(out, energy_attention(q, k, v, **kw), atol=1e-6)
+    np.testing.assert_allclose(out, energy_attention(q, k, v, **kw), rtol=4e-6, atol=2e-6)
 
 
 @pytest.mark.fast(reduction="allreduce", masking="causal_mask3d", dtype=jnp.float32)
@@ -100,7 +100,9 @@ def test_empty_and_fully_masked_shards(reduction, getkey):
     mask = jnp.zeros((3, 32), bool).at[:, 26:30].set(True).at[1].set(False)
     out = attention(q, k, v, mask=mask)
     assert np.isfinite(out).all() and np.all(out[1] == 0)
-    np.testing.assert_allclose(out, ref.attention(q, k, v, mask=np.asarray(mask)), atol=1e-6)
+    np.testing.assert_allclose(
+        out, ref.attention(q, k, v, mask=np.asarray(mask)), rtol=4e-6, atol=2e-6
+    )
 
     def loss(q, k, v, zeta):
         f = tree_free_energy(q, k, v, zeta, mask=mask.at[1, 0].set(True), **tk)
