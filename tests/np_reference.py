@@ -320,3 +320,42 @@ def energy_attention(family, params, q, k, v, *, causal=False, mask=None, q_offs
                 second = np.einsum("a,ai,aj->ij", w, vals, vals)
                 hess[i, h] = curv * (second - np.outer(out[i, h], out[i, h]))
     return out, hess
+
+
+def rules_visible(
+    q_pos,
+    k_pos,
+    heads,
+    *,
+    causal=False,
+    window=None,
+    chunk=None,
+    prefix=None,
+    q_segments=None,
+    kv_segments=None,
+    mask_mod=None,
+    batch=0,
+):
+    """Boolean [heads, q_seq, kv_seq] of the masking rules, pair by pair: query position
+    q_pos[i] sees key position k_pos[a] by position (causal, a (left, right) window, the
+    same chunk; all waived below `prefix`), within its segment, and where `mask_mod(batch, h,
+    i, j)` says so."""
+    q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
+    vis = np.ones((heads, len(q_pos), len(k_pos)), dtype=bool)
+    for i, qi in enumerate(q_pos):
+        for a, kj in enumerate(k_pos):
+            by_position = True
+            if causal:
+                by_position &= kj <= qi
+            if window is not None:
+                by_position &= qi - window[0] <= kj <= qi + window[1]
+            if chunk is not None:
+                by_position &= qi // chunk == kj // chunk
+            if prefix is not None and kj < prefix:
+                by_position = True
+            seen = by_position
+            if q_segments is not None:
+                seen &= q_segments[i] == kv_segments[a]
+            for h in range(heads):
+                vis[h, i, a] = seen and (mask_mod is None or bool(mask_mod(batch, h, qi, kj)))
+    return vis

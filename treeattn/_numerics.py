@@ -11,8 +11,10 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,6 +226,128 @@ def lse_to_rows(x: Float[Array, "q_seq heads"], dims: Dims) -> Float[Array, "kv_
 # ---------------------------------------------------------------------------------------------
 
 
+class Masking(eqx.Module):
+    r"""The rules of visibility beyond causality, windows, lengths and boolean masks: packed
+    sequences, a bidirectional prefix, chunks, and a mask function. A pytree: its arrays (and
+    those a `mask_mod` closes over as leaves, e.g. a `jax.tree_util.Partial`) are traced, so
+    new segment ids or a new prefix do not recompile; `chunk` is static.
+
+    - `q_segments[q_seq]`, `kv_segments[kv_seq]`: integer segment (document) ids; a query sees
+      a key only within its own segment (splash attention's `SegmentIds`).
+    - `prefix`: keys at positions below it are seen by every query, whatever `causal`, the
+      window or `chunk` say (prefix-LM: a bidirectional prompt, a causal continuation).
+    - `chunk`: a query at position $i$ sees keys $j$ with $\lfloor i/C\rfloor = \lfloor j/C
+      \rfloor$ only (chunked attention, Llama 4), combined with `causal`.
+    - `mask_mod(b, h, q_idx, kv_idx) -> bool`: FlexAttention's mask function of the batch row,
+      the query head and the absolute query and key positions, written for scalars (it is
+      vectorised with `vmap`).
+    """
+
+    q_segments: Int[Array, " q_seq"] | None = None
+    kv_segments: Int[Array, " kv_seq"] | None = None
+    prefix: Int[Array, ""] | None = None
+    chunk: int | None = eqx.field(static=True, default=None)
+    mask_mod: Any = None
+
+    @property
+    def positional(self) -> bool:
+        """Whether a rule here reads query positions (prefix, chunk or a mask function)."""
+        return self.prefix is not None or self.chunk is not None or self.mask_mod is not None
+
+    def keys(self, kv_segments) -> Masking:
+        """The same rules for another block of keys (its own segment ids)."""
+        return dataclasses.replace(self, kv_segments=kv_segments)
+
+    def queries(self, q_segments) -> Masking:
+        """The same rules for another block of queries (their own segment ids)."""
+        return dataclasses.replace(self, q_segments=q_segments)
+
+
+MASKING_ARGUMENTS = ("q_segment_ids", "kv_segment_ids", "prefix_length", "chunk_size", "mask_mod")
+"""The public arguments that `check_masking` gathers into one `Masking`."""
+
+
+def check_masking(
+    fn: str,
+    *,
+    q_seq: int,
+    kv_seq: int,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    prefix_length=None,
+    chunk_size=None,
+    mask_mod: Callable | None = None,
+    batch: int | None = None,
+) -> Masking | None:
+    """The public arguments `q_segment_ids`, `kv_segment_ids`, `prefix_length`, `chunk_size`
+    and `mask_mod` checked and gathered into one `Masking` (None when none is given). With
+    `batch`, segment ids may carry a leading batch axis (of `batch` or 1) and the prefix may be
+    `[batch]`; every array then has one: segment ids `[batch, seq]`, the prefix `[batch]`."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        given = "q_segment_ids" if kv_segment_ids is None else "kv_segment_ids"
+        raise ValueError(f"{fn}: {given} needs its twin: pass both q_ and kv_segment_ids")
+    segments = []
+    for name, ids, n, axis in (
+        ("q_segment_ids", q_segment_ids, q_seq, "q_seq"),
+        ("kv_segment_ids", kv_segment_ids, kv_seq, "kv_seq"),
+    ):
+        if ids is None:
+            segments.append(None)
+            continue
+        dtype, shape = jnp.result_type(ids), shape_of(ids)
+        shapes = [(n,)] if batch is None else [(n,), (1, n), (batch, n)]
+        if not jnp.issubdtype(dtype, jnp.integer) or shape not in shapes:
+            want = f"[{axis}] = ({n},)" if batch is None else f"[batch, {axis}] = ({batch}, {n})"
+            raise ValueError(
+                f"{fn}: {name} must be an integer array of shape {want}, got dtype {dtype} and "
+                f"shape {shape}"
+            )
+        ids = jnp.asarray(ids).astype(jnp.int32)
+        segments.append(ids if batch is None else jnp.broadcast_to(ids, (batch, n)))
+    prefix = None
+    if prefix_length is not None:
+        check_position(fn, "prefix_length", prefix_length, batch=batch)
+        prefix = as_position(prefix_length)
+        if batch is not None:
+            prefix = jnp.broadcast_to(prefix, (batch,))
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size < 1
+    ):
+        raise ValueError(f"{fn}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    if mask_mod is not None and not callable(mask_mod):
+        raise ValueError(f"{fn}: mask_mod must be callable, got {type(mask_mod).__name__}")
+    if all(x is None for x in (*segments, prefix_length, chunk_size, mask_mod)):
+        return None
+    if mask_mod is not None and jax.tree_util.treedef_is_leaf(jax.tree.structure(mask_mod)):
+        # A plain function: as a `Partial` it is a pytree with no leaves, compared by identity.
+        mask_mod = jax.tree_util.Partial(mask_mod)
+    return Masking(
+        q_segments=segments[0],
+        kv_segments=segments[1],
+        prefix=prefix,
+        chunk=None if chunk_size is None else int(chunk_size),
+        mask_mod=mask_mod,
+    )
+
+
+def _mask_function(mask_mod, batch, heads: int, q_pos, k_pos) -> Bool[Array, "heads q kv"]:
+    """`mask_mod(b, h, q_idx, kv_idx)` on every (head, query, key), vectorised."""
+    h = jnp.arange(heads, dtype=jnp.int32)
+    per_key = jax.vmap(mask_mod, in_axes=(None, None, None, 0))
+    per_query = jax.vmap(per_key, in_axes=(None, None, 0, None))
+    per_head = jax.vmap(per_query, in_axes=(None, 0, None, None))
+    out = per_head(as_position(batch), h, q_pos, k_pos)
+    if out.shape != (heads, q_pos.shape[0], k_pos.shape[0]):
+        raise ValueError(
+            f"mask_mod must return one boolean per (b, h, q_idx, kv_idx), got shape "
+            f"{tuple(out.shape)} for {heads} heads, {q_pos.shape[0]} queries, "
+            f"{k_pos.shape[0]} keys"
+        )
+    return out.astype(jnp.bool_)
+
+
 def visibility(
     dims: Dims,
     *,
@@ -235,25 +359,35 @@ def visibility(
     slots: Bool[Array, " kv_seq"] | None = None,
     mask: Bool[Array, "#q_seq kv_seq"] | Bool[Array, "#heads #q_seq kv_seq"] | None = None,
     window: Window | None = None,
+    masking: Masking | None = None,
+    batch: int | Int[Array, ""] = 0,
 ) -> Bool[Array, "#kv_heads #group #q_seq kv_seq"] | None:
     r"""The one place that decides which keys each (head, query) sees, in the grouped layout
-    `[kv_heads, group, q_seq, kv_seq]` (axes of size 1 broadcast). None means "every key".
+        `[kv_heads, group, q_seq, kv_seq]` (axes of size 1 broadcast). None means "every key".
 
-    Positions are absolute: query `i` sits at `q_offset + i`; key slot `a` holds position
-    `kv_positions[a]`, or `kv_offset + a` (a shard of a longer sequence). A key is visible iff
+        Positions are absolute: query `i` sits at `q_offset + i`; key slot `a` holds position
+        `kv_positions[a]`, or `kv_offset + a` (a shard of a longer sequence). A key at position
+        $j$ is visible to a query at position $i$ iff
 
-    - its slot is valid (`slots[a]`, e.g. a block that overlaps the previous one),
-    - its position is below `kv_length` (the filled part of a cache),
-    - when `causal`, its position is not after the query's (bottom-right alignment: a query
-      appended after a cache of `n` tokens passes `q_offset=n`),
-    - when `window = (left, right)`, its position $j$ is within the query's sliding window,
-      $i - \mathrm{left} \le j \le i + \mathrm{right}$ (jax's `local_window_size`),
-    - and the user's boolean `mask` (`[#q_seq, kv_seq]` or `[#heads, #q_seq, kv_seq]`, axes of
-      size 1 broadcast) allows it.
+        - its slot is valid (`slots[a]`, e.g. a block that overlaps the previous one),
+        - its position is below `kv_length` (the filled part of a cache),
+        - by position: when `causal`, $j \le i$ (bottom-right alignment: a query appended after
+          a cache of `n` tokens passes `q_offset=n`); when `window = (left, right)`,
+          $i - \mathrm{left} \le j \le i + \mathrm{right}$ (jax's `local_window_size`); with
+          `masking.chunk` $C$, $\lfloor i/C
+    floor = \lfloor j/C
+    floor$ — all of these waived for
+          $j$ below `masking.prefix` (prefix-LM),
+        - with segment ids, the query's and the key's segments are equal (packed sequences),
+        - the user's boolean `mask` (`[#q_seq, kv_seq]` or `[#heads, #q_seq, kv_seq]`, axes of
+          size 1 broadcast) and `masking.mask_mod(batch, h, i, j)` allow it.
     """
+    m_ = masking if masking is not None else Masking()
+    chunk, prefix = m_.chunk, m_.prefix
+    by_position = causal or window is not None or chunk is not None
     key_ok = slots
     pos = None
-    if causal or kv_length is not None or window is not None:
+    if by_position or kv_length is not None or m_.positional:
         # int32 positions: a context of 2^31 tokens is far beyond any cache.
         if kv_positions is not None:
             pos = jnp.asarray(kv_positions).astype(jnp.int32)
@@ -264,18 +398,34 @@ def visibility(
         filled = pos < as_position(kv_length)
         key_ok = filled if key_ok is None else key_ok & filled
     vis = None if key_ok is None else key_ok[None, None, None, :]
-    if causal or window is not None:
-        assert pos is not None
-        q_pos = (as_position(q_offset) + jnp.arange(dims.q_seq, dtype=jnp.int32))[:, None]
+    q_pos = None
+    if by_position or m_.mask_mod is not None:
+        q_pos = as_position(q_offset) + jnp.arange(dims.q_seq, dtype=jnp.int32)
+    if by_position:
+        assert pos is not None and q_pos is not None
+        qp, kp = q_pos[:, None], pos[None, :]
         seen = None
         if causal:
-            seen = pos[None, :] <= q_pos
+            seen = kp <= qp
         if window is not None:
             # Differences, not sums: q_pos - left may fall below int32's range for no reason.
-            near = (q_pos - pos[None, :] <= window[0]) & (pos[None, :] - q_pos <= window[1])
+            near = (qp - kp <= window[0]) & (kp - qp <= window[1])
             seen = near if seen is None else seen & near
+        if chunk is not None:
+            same = jnp.floor_divide(qp, chunk) == jnp.floor_divide(kp, chunk)
+            seen = same if seen is None else seen & same
         assert seen is not None
+        if prefix is not None:
+            seen = seen | (kp < prefix)
         vis = seen[None, None] if vis is None else vis & seen[None, None]
+    if m_.q_segments is not None and m_.kv_segments is not None:
+        same = (m_.q_segments[:, None] == m_.kv_segments[None, :])[None, None]
+        vis = same if vis is None else vis & same
+    if m_.mask_mod is not None:
+        assert pos is not None and q_pos is not None
+        allowed = _mask_function(m_.mask_mod, batch, dims.heads, q_pos, pos)
+        allowed = allowed.reshape(dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
+        vis = allowed if vis is None else vis & allowed
     if mask is not None:
         m = jnp.asarray(mask)
         if m.ndim == 2:

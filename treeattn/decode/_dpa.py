@@ -9,15 +9,15 @@ query that sees no key gets — is the `empty_rows` keyword.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Literal, get_args
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._numerics import check_choice, check_window
+from .._numerics import Masking, check_choice, check_masking, check_window
 from ._flash import flash_attention
 from ._registry import BACKENDS, Backend
 
@@ -75,6 +75,11 @@ def dot_product_attention(
     implementation: Backend | Sequence[Backend] | Literal["xla", "cudnn"] | None = None,
     return_residual: bool = False,
     empty_rows: EmptyRows = "average",
+    q_segment_ids: Int[ArrayLike, "*#batch q_seq"] | None = None,
+    kv_segment_ids: Int[ArrayLike, "*#batch kv_seq"] | None = None,
+    prefix_length: int | Int[ArrayLike, "*#batch"] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Float[Array, "*batch q_seq heads dv"] | tuple[Float[Array, "*batch q_seq heads dv"], Array]:
     r"""Scaled dot-product attention with `jax.nn.dot_product_attention`'s signature and
     semantics, run by [`flash_attention`][treeattn.decode.flash_attention]'s kernels.
@@ -106,6 +111,14 @@ def dot_product_attention(
       result): the plain average of all `kv_seq` values and a residual of
       $-0.7\cdot\mathrm{finfo(float32).max} + \log(\mathrm{kv\_seq})$; `"zero"`: treeattn's
       convention, output 0 and residual $-\infty$.
+
+    **treeattn's extensions** (keyword only; jax has none of them): `q_segment_ids`
+    `[batch, q_seq]` and `kv_segment_ids` `[batch, kv_seq]` (packed sequences: a query sees
+    only the keys of its own segment, splash attention's `SegmentIds`), `prefix_length`
+    (prefix-LM), `chunk_size` (chunked attention) and `mask_mod(b, h, q_idx, kv_idx)`
+    (FlexAttention's mask function), as in [`flash_attention`][treeattn.decode.flash_attention].
+    They need no `[q_seq, kv_seq]` mask in memory; the `"energy"` kernel (`None` picks it) and
+    `"reference"` take them.
 
     **Returns:** the output, shaped like `query` (with `value`'s last dim), and with
     `return_residual` the pair `(output, residual)`.
@@ -146,6 +159,17 @@ def dot_product_attention(
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(jnp.float32)  # jax adds any bias to float32 logits
     window = check_window(fn, local_window_size)
+    masking = check_masking(
+        fn,
+        q_seq=q.shape[1],
+        kv_seq=k.shape[1],
+        batch=batch,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        prefix_length=prefix_length,
+        chunk_size=chunk_size,
+        mask_mod=mask_mod,
+    )
     backend = backend if isinstance(backend, str) else tuple(backend)
     result = _attend(
         q,
@@ -161,6 +185,7 @@ def dot_product_attention(
         window=window,
         empty_rows=empty_rows,
         return_residual=return_residual,
+        masking=masking,
     )
     if unbatched:
         return jax.tree.map(lambda x: x[0], result)
@@ -188,9 +213,19 @@ def _attend(
     window,
     empty_rows,
     return_residual,
+    masking: Masking | None = None,
 ):
     q_seq, kv_seq = q.shape[1], k.shape[1]
     q_valid = None
+    rules = {}
+    if masking is not None:
+        rules = {
+            "q_segment_ids": masking.q_segments,
+            "kv_segment_ids": masking.kv_segments,
+            "prefix_length": masking.prefix,
+            "chunk_size": masking.chunk,
+            "mask_mod": masking.mask_mod,
+        }
     out, lse = flash_attention(
         q,
         k,
@@ -203,6 +238,7 @@ def _attend(
         local_window_size=window,
         mask=mask,
         bias=bias,
+        **rules,
     )
     if q_lengths is not None:
         # Queries past their row's length see no key: jax gives them 0 (not the average of

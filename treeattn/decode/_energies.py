@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._numerics import Dims, visibility
+from .._numerics import Dims, Masking, visibility
 from ..energy import (
     Energy,
     Softmax,
@@ -57,29 +57,55 @@ def _row_dims(dims: Dims) -> Dims:
     return dataclasses.replace(dims, batch=1, layout="bshd")
 
 
-def _position_order(dims: Dims, k, v, pos, mask):
+def _position_order(dims: Dims, k, v, pos, mask, kv_segments=None):
     """The slots of one row sorted by position (an ordered monoid folds keys in the order
-    given): a gather of K and V, on one device."""
+    given): a gather of K and V (and of the keys' mask and segment ids), on one device."""
     order = jnp.argsort(pos, stable=True)
     axis = 0 if dims.layout == "bshd" else 1
     k, v, pos = jnp.take(k, order, axis=axis), jnp.take(v, order, axis=axis), jnp.take(pos, order)
     if mask is not None:
         mask = jnp.take(mask, order, axis=-1)
-    return k, v, pos, mask
+    if kv_segments is not None:
+        kv_segments = jnp.take(kv_segments, order)
+    return k, v, pos, mask, kv_segments
 
 
-def _rows(partial, q, k, v, q_offset, kv_length, kv_pos, mask, energy, static: Static):
+def _row_rules(masking: Masking | None, batch: int):
+    """The per-row arrays of `masking` (segment ids, prefix, the row's index for a mask
+    function), each with a leading batch axis or None, and how to rebuild one row's rules."""
+    if masking is None:
+        return (None, None, None, None), lambda *_: None
+    arrays = (
+        masking.q_segments,
+        masking.kv_segments,
+        masking.prefix,
+        jnp.arange(batch, dtype=jnp.int32),
+    )
+
+    def rebuild(q_segments, kv_segments, prefix, index):
+        return index, dataclasses.replace(
+            masking, q_segments=q_segments, kv_segments=kv_segments, prefix=prefix
+        )
+
+    return arrays, rebuild
+
+
+def _rows(
+    partial, q, k, v, q_offset, kv_length, kv_pos, mask, energy, static: Static, masking=None
+):
     """`partial` (`energy_partial` or its twin) on every batch row under `vmap`, with each
     row's visibility and key positions."""
     dims = static.dims
     ordered = not energy.monoid.commutative
     positioned = kv_pos is not None
+    per_row, rebuild = _row_rules(masking, dims.batch)
 
-    def row(q, k, v, offset, length, pos, m):
+    def row(q, k, v, offset, length, pos, m, q_seg, kv_seg, prefix, index):
         if pos is None:
             pos = jnp.arange(dims.kv_seq, dtype=jnp.int32)
         elif ordered:
-            k, v, pos, m = _position_order(dims, k, v, pos, m)
+            k, v, pos, m, kv_seg = _position_order(dims, k, v, pos, m, kv_seg)
+        rules = rebuild(q_seg, kv_seg, prefix, index)
         vis = visibility(
             _row_dims(dims),
             causal=static.causal,
@@ -88,13 +114,15 @@ def _rows(partial, q, k, v, q_offset, kv_length, kv_pos, mask, energy, static: S
             kv_length=length if static.has_length or positioned else None,
             mask=m,
             window=static.window,
+            masking=None if rules is None else rules[1],
+            batch=0 if rules is None else rules[0],
         )
         kw = {"kv_total": dims.kv_seq, "visible": vis, "scale": static.scale}
         return partial(
             q, k, v, energy=energy, kv_positions=pos, q_offset=offset, kv_layout=dims.layout, **kw
         )
 
-    return _each_row(row, q, k, v, q_offset, kv_length, kv_pos, mask)
+    return _each_row(row, q, k, v, q_offset, kv_length, kv_pos, mask, *per_row)
 
 
 def _each_row(row, *args):
@@ -125,20 +153,38 @@ def _mask_of(static: Static, length, m):
     return jnp.broadcast_to(both, (dims.heads, dims.q_seq, dims.kv_seq))
 
 
-def energy_forward(q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, *, static: Static):
+def energy_forward(
+    q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, masking=None, *, static: Static
+):
     """`(out, F)` of the `"energy"` kernel: $\\partial F/\\partial\\zeta$ at 0 and $F(0)$ of
     every row. Rows of up to `IN_PLACE_LOGITS` logits (or with key positions) read K and V
-    where they lie (`energy_partial`, head-major in place); longer ones go blockwise."""
+    where they lie (`energy_partial`, head-major in place); longer ones go blockwise, where
+    tiles that no query sees are skipped."""
     dims = static.dims
     kw = {"kv_finite": static.kv_finite}
+    args = (q, k, v, q_offset, kv_length, kv_pos, mask, energy, static, masking)
     if dims.heads * dims.q_seq * dims.kv_seq <= IN_PLACE_LOGITS or kv_pos is not None:
         with jax.named_scope("energy_kernel"):
-            partial = functools.partial(energy_partial, **kw)
-            return _rows(partial, q, k, v, q_offset, kv_length, kv_pos, mask, energy, static)
+            return _rows(functools.partial(energy_partial, **kw), *args)
     if dims.layout == "bhsd":  # a long call: blockwise over `[kv, kv_heads, d]` keys
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    per_row, rebuild = _row_rules(masking, dims.batch)
 
-    def row(q, k, v, offset, length, m):
+    def row(q, k, v, offset, length, m, q_seg, kv_seg, prefix, index):
+        rules = rebuild(q_seg, kv_seg, prefix, index)
+        extra = {}
+        if rules is not None:
+            index, rules = rules
+            mask_mod = rules.mask_mod
+            if mask_mod is not None:  # the row's own index for `b`
+                mask_mod = jax.tree_util.Partial(_at_row, mask_mod, index)
+            extra = {
+                "q_segment_ids": rules.q_segments,
+                "kv_segment_ids": rules.kv_segments,
+                "prefix_length": rules.prefix,
+                "chunk_size": rules.chunk,
+                "mask_mod": mask_mod,
+            }
         return energy_attention(
             q,
             k,
@@ -151,19 +197,27 @@ def energy_forward(q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, *
             energy=energy,
             block_size=static.block,
             return_free_energy=True,
+            **extra,
         )
 
     with jax.named_scope("energy_kernel_blockwise"):
-        return _each_row(row, q, k, v, q_offset, kv_length, mask)
+        return _each_row(row, q, k, v, q_offset, kv_length, mask, *per_row)
+
+
+def _at_row(mask_mod, index, b, h, q_idx, kv_idx):
+    """`mask_mod` of batch row `index` (a row is evaluated on its own, as row 0)."""
+    del b
+    return mask_mod(index, h, q_idx, kv_idx)
 
 
 def energy_reference_forward(
-    q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, *, static: Static
+    q, k, v, q_offset, kv_length, kv_pos, mask, energy: Energy, masking=None, *, static: Static
 ):
-    """`(out, F)` of the `"reference"` kernel for another energy than softmax: its definition
-    folded key by key (`energy_partial_reference`), every batch row under `vmap`."""
+    """`(out, F)` of the `"reference"` kernel for another energy than softmax (or a call with
+    masking rules): its definition folded key by key (`energy_partial_reference`), every
+    batch row under `vmap`."""
     with jax.named_scope("energy_reference"):
-        args = (q, k, v, q_offset, kv_length, kv_pos, mask, energy, static)
+        args = (q, k, v, q_offset, kv_length, kv_pos, mask, energy, static, masking)
         return _rows(energy_partial_reference, *args)
 
 
@@ -205,7 +259,7 @@ def energy_sharded(
                 if pos is None:
                     pos = start + jnp.arange(n, dtype=jnp.int32)
                 elif plan.devices == 1 and ordered:
-                    k, v, pos, m = _position_order(dims, k, v, pos, m)
+                    k, v, pos, m, _ = _position_order(dims, k, v, pos, m)
                 vis = visibility(
                     row_dims,
                     causal=plan.causal,

@@ -7,13 +7,21 @@ results over disjoint keys merge exactly with `treeattn.energy.merge_partials`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import Layout, compute_dtype, default_scale
+from .._numerics import (
+    MASKING_ARGUMENTS,
+    Layout,
+    Masking,
+    check_masking,
+    compute_dtype,
+    default_scale,
+)
 from ..energy import Energy, is_plain_softmax
 from ._checks import check_call, per_row, positions_per_row
 from ._energies import SOFTMAX, check_energy
@@ -39,6 +47,11 @@ def flash_attention(
     bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     energy: Energy | None = SOFTMAX,
     kv_finite: bool = False,
+    q_segment_ids: Int[Array, "#batch q_seq"] | None = None,
+    kv_segment_ids: Int[Array, "#batch kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> tuple[Float[Array, "batch q_seq heads dv"], Float[Array, "batch q_seq heads"]]:
     r"""Fused attention of local keys, returning the output and its log-sum-exp.
 
@@ -96,6 +109,15 @@ def flash_attention(
     - `kv_finite`: True promises that every key and value is finite (a zero-initialised KV
       cache): the `"energy"` kernel then reads a cache without the pass that keeps a NaN in a
       slot a row does not see from reaching it (the fused kernels need no such pass).
+    - `q_segment_ids` `[#batch, q_seq]`, `kv_segment_ids` `[#batch, kv_seq]` (integers, both
+      or neither; a leading batch axis of 1 or none broadcasts): packed sequences, a query sees
+      only the keys of its own segment. `prefix_length` (int, scalar or `[batch]`): prefix-LM,
+      keys before it are seen whatever `causal`, the window or `chunk_size` say. `chunk_size`:
+      chunked attention, positions $i$ and $j$ see each other only when $\lfloor i/C\rfloor =
+      \lfloor j/C\rfloor$. `mask_mod(b, h, q_idx, kv_idx) -> bool`: FlexAttention's mask
+      function of the batch row, query head and absolute positions. See
+      [`multihead_free_energy`][treeattn.energy.multihead_free_energy]; the `"energy"` kernel
+      (`"auto"` picks it) and `"reference"` take them, with every energy.
 
     **Returns:** `(out, lse)`: `out[batch, q_seq, heads, dv]` in the input dtype, `lse`
     float32 (float64 for float64 inputs) `[batch, q_seq, heads]` — the layout of
@@ -104,7 +126,10 @@ def flash_attention(
     `backend="reference"` is differentiated by JAX in either mode.
     """
     fn = "flash_attention"
-    dims, window, mask, bias = check_call(**locals())
+    given = dict(locals())
+    rules = {name: given.pop(name) for name in MASKING_ARGUMENTS}
+    dims, window, mask, bias = check_call(**given)
+    masking = check_masking(fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, batch=dims.batch, **rules)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"{fn}: block_size must be a positive integer or None, got {block_size!r}")
     positions = positions_per_row(kv_positions, dims)
@@ -120,6 +145,7 @@ def flash_attention(
         has_mask=mask is not None,
         has_bias=bias is not None,
         energy=energy,
+        has_masking=masking is not None,
     )
     choice = resolve(fn, backend, call)
     static = Static(
@@ -139,7 +165,7 @@ def flash_attention(
     # Softmax is the kernels' own (None): its Python-number fields are not traced operands.
     general = None if is_plain_softmax(energy) else energy
     try:
-        return run_kernel(choice, *args, energy=general, static=static)
+        return run_kernel(choice, *args, energy=general, masking=masking, static=static)
     except TypeError as e:
         if "forward-mode" not in str(e):
             raise
@@ -164,16 +190,19 @@ def run_kernel(
     bias=None,
     *,
     energy: Energy | None = None,
+    masking: Masking | None = None,
     static: Static,
 ):
     """The kernels of `choice` (one per lowering platform, picked when the program is lowered)
     on checked arguments: offsets and lengths int32 `[batch]`, positions int32
     `[batch, kv_seq]` or None, mask and bias `[batch, #heads, #q_seq, kv_seq]` or None,
-    `energy` (None: `Softmax()`, which must be passed as None), and the call's `Static`
+    `energy` (None: `Softmax()`, which must be passed as None), `masking` (its arrays with a
+    batch axis: segment ids `[batch, seq]`, prefix `[batch]`; None when the call has no
+    rule beyond those), and the call's `Static`
     part. Returns `(out, lse)` (see `flash_attention`). Lowering for a platform where
     `choice` has no kernel raises `BackendUnavailable`."""
     dims = static.dims
-    if dims.kv_seq == 0 and energy is None:
+    if dims.kv_seq == 0 and energy is None and masking is None:
         # No key at all: the identity of the merge, by construction (another energy reads out
         # its own identity, a sink included).
         out = jnp.zeros((dims.batch, dims.q_seq, dims.heads, dims.dv), q.dtype)
@@ -184,7 +213,8 @@ def run_kernel(
     forward = dispatch(choice)
     with jax.named_scope("flash_attention_" + "_".join(sorted(names))):
         if differentiable(choice):
-            return forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, static=static)
+            args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking)
+            return forward(*args, static=static)
         return fused(forward, q, k, v, q_offset, kv_length, kv_pos, mask, bias, static)
 
 

@@ -201,6 +201,7 @@ class Call:
     has_mask: bool = False  # a boolean mask [batch, #heads, #q_seq, kv_seq]
     has_bias: bool = False  # an additive bias on the logits, same shape
     energy: str | None = None  # None: `Softmax()`; else the energy, named for messages
+    has_masking: bool = False  # segment ids, a prefix, chunks or a mask function
 
     def extras(self) -> str | None:
         """What of a window, mask and bias this call uses (for the kernels that take none
@@ -211,6 +212,7 @@ class Call:
                 (f"local_window_size={self.window}", self.window is not None),
                 ("mask", self.has_mask),
                 ("bias", self.has_bias),
+                ("segment ids, prefix_length, chunk_size or mask_mod", self.has_masking),
             )
             if on
         ]
@@ -223,12 +225,14 @@ class Kernel:
 
     - `why_not(call)`: None when it can serve the call, else the reason (citing the upstream
       limit); whether it computes the call's energy is checked from `energies`.
-    - `forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static,
+    - `forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking, *, static,
       platform)`: the common call of `_xla.py` to `(out, lse)`, lse float32
       `[batch, q_seq, heads]` (for another energy than softmax, its free energy at 0).
     - `layout`: the layout of K and V it reads where they lie (a KV cache for it is allocated
       so); the other is transposed first.
     - `energies`: `"softmax"` (`Softmax()` only) or `"any"` (every `Energy`).
+    - `masking`: whether it takes the rules of a `Masking` (segment ids, a prefix, chunks, a
+      mask function); the others refuse a call that has them.
     - `differentiable`: JAX differentiates its forward (both modes); otherwise its gradient is
       the shared blockwise backward of softmax (`_xla.fused`), reverse mode only.
     """
@@ -239,6 +243,7 @@ class Kernel:
     layout: Layout
     energies: Literal["softmax", "any"] = "softmax"
     differentiable: bool = False
+    masking: bool = False
 
 
 def _cpu_why_not(call: Call) -> str | None:
@@ -368,8 +373,10 @@ def _reference_why_not(call: Call) -> str | None:
 def _softmax_kernel(forward: Callable) -> Callable:
     """A softmax kernel's forward in the common signature (it reads no energy, no platform)."""
 
-    def run(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
-        del energy, platform
+    def run(
+        q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking=None, *, static, platform
+    ):
+        del energy, platform, masking  # a kernel that takes no masking refuses it
         kw = dict(dims=static.dims, causal=static.causal, window=static.window)
         return forward(
             q,
@@ -388,7 +395,9 @@ def _softmax_kernel(forward: Callable) -> Callable:
     return run
 
 
-def _pallas(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
+def _pallas(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking=None, *, static, platform
+):
     # Triton on CUDA; interpreted elsewhere (the CPU tests run it so).
     run = functools.partial(pallas_forward, interpret=platform != "cuda")
     return _softmax_kernel(run)(
@@ -396,23 +405,30 @@ def _pallas(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static,
     )
 
 
-def _reference(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
-    """Softmax written out (`_reference.py`), or another energy's definition key by key."""
+def _reference(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking=None, *, static, platform
+):
+    """Softmax written out (`_reference.py`), or another energy's definition key by key (and
+    so any call with masking rules: softmax is an energy too)."""
     del platform
-    if energy is None or is_plain_softmax(energy):
+    if masking is None and (energy is None or is_plain_softmax(energy)):
         kw = dict(dims=static.dims, causal=static.causal, window=static.window)
         return reference_forward(
             q, k, v, q_offset, kv_length, kv_pos, mask, bias, **kw, scale=static.scale
         )
+    energy = SOFTMAX if energy is None else energy
     return energy_reference_forward(
-        q, k, v, q_offset, kv_length, kv_pos, mask, energy, static=static
+        q, k, v, q_offset, kv_length, kv_pos, mask, energy, masking, static=static
     )
 
 
-def _energy(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static, platform):
+def _energy(
+    q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking=None, *, static, platform
+):
     del platform, bias  # a bias is refused by eligibility
     energy = SOFTMAX if energy is None else energy
-    return energy_forward(q, k, v, q_offset, kv_length, kv_pos, mask, energy, static=static)
+    args = (q, k, v, q_offset, kv_length, kv_pos, mask, energy, masking)
+    return energy_forward(*args, static=static)
 
 
 KERNELS: dict[str, Kernel] = {
@@ -428,7 +444,15 @@ KERNELS: dict[str, Kernel] = {
         Kernel("pallas", _pallas_why_not, _pallas, layout="bshd"),
         Kernel("cpu", _cpu_why_not, _softmax_kernel(cpu_forward), layout="bhsd"),
         Kernel("xla", lambda call: None, _softmax_kernel(xla_forward), layout="bhsd"),
-        Kernel("energy", _energy_why_not, _energy, "bhsd", energies="any", differentiable=True),
+        Kernel(
+            "energy",
+            _energy_why_not,
+            _energy,
+            "bhsd",
+            energies="any",
+            differentiable=True,
+            masking=True,
+        ),
         Kernel(
             "reference",
             _reference_why_not,
@@ -436,6 +460,7 @@ KERNELS: dict[str, Kernel] = {
             "bshd",
             energies="any",
             differentiable=True,
+            masking=True,
         ),
     )
 }
@@ -451,9 +476,10 @@ def auto_order(call: Call) -> tuple[str, ...]:
       does the rest; the C++ kernel is built on first use, so only a CPU process takes it
       (a GPU process lowering for CPU takes xla).
     - ROCm, TPU and anything else: the portable kernel.
-    - Another energy than `Softmax()`: its own path, `"energy"` (no kernel is fused for it).
+    - Another energy than `Softmax()`, or segment ids and the other rules of a `Masking`:
+      `"energy"` (no kernel is fused for them).
     """
-    if call.energy is not None:
+    if call.energy is not None or call.has_masking:
         return ("energy",)
     if call.platform == "cuda":
         return ("pallas", "flash_attn_jax", "cudnn", "xla")
@@ -481,6 +507,11 @@ def why_not(name: str, call: Call) -> str | None:
         return (
             f"it computes softmax only, not energy={call.energy} (the 'energy' kernel "
             "computes any energy)"
+        )
+    if call.has_masking and not kernel.masking:
+        return (
+            "it takes no segment ids, prefix_length, chunk_size or mask_mod (the 'energy' "
+            "kernel takes them)"
         )
     return kernel.why_not(call)
 
@@ -570,6 +601,7 @@ def select_backend(
     has_mask: bool = False,
     has_bias: bool = False,
     energy: Energy | None = None,
+    has_masking: bool = False,
 ) -> str:
     """The kernel `flash_attention` would run for a call of these sizes (`dims` of one call:
     batch and layout included) and this `energy` (None: `Softmax()`) when lowered for
@@ -611,7 +643,7 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
     """The forward of kernel `name` on `platform` (or the refusal `message`)."""
     gpu = platform in ("cuda", "rocm")
 
-    def run(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *, static):
+    def run(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking, *, static):
         dims = static.dims
         out_dtype, lse_dtype = q.dtype, compute_dtype(q.dtype)
         if message is not None:
@@ -622,7 +654,7 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
         # GPU dots on float32 run in TF32 (~1e-3 relative) unless asked for full precision.
         precise = gpu and jnp.dtype(q.dtype).itemsize >= 4
         with jax.default_matmul_precision("highest") if precise else contextlib.nullcontext():
-            args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy)
+            args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking)
             out, lse = KERNELS[name].forward(*args, static=static, platform=platform)
         return out.astype(out_dtype), lse.astype(lse_dtype)
 
@@ -631,8 +663,8 @@ def _branch(name: str, platform: str, message: str | None) -> Callable:
 
 @functools.cache
 def dispatch(choice: Choice) -> Callable:
-    """The forward of `choice`: `(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, *,
-    static) -> (out, lse)`, staging each platform's kernel with
+    """The forward of `choice`: `(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy,
+    masking, *, static) -> (out, lse)`, staging each platform's kernel with
     `jax.lax.platform_dependent`; platforms sharing a kernel share one branch."""
     per_platform: dict[str, tuple[str, str | None]] = {}
     for p, name in choice.kernels:
@@ -646,11 +678,13 @@ def dispatch(choice: Choice) -> Callable:
     }
     branches = {key: _branch(key[0], p, key[1]) for p, key in reversed(keys.items())}
 
-    def forward(q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy=None, *, static):
+    def forward(
+        q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy=None, masking=None, *, static
+    ):
         bound = {key: functools.partial(b, static=static) for key, b in branches.items()}
         by_platform = {p: bound[keys[p]] for p in PLATFORMS}
         default = by_platform.pop("tpu")
-        args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy)
+        args = (q, k, v, q_offset, kv_length, kv_pos, mask, bias, energy, masking)
         return jax.lax.platform_dependent(*args, default=default, **by_platform)
 
     return forward

@@ -14,6 +14,7 @@ from ._energies import (
     Context as Context,
     Energy as Energy,
     LinearKernel as LinearKernel,
+    ScoreMod as ScoreMod,
     Sigmoid as Sigmoid,
     Softmax as Softmax,
     SoftmaxWithSink as SoftmaxWithSink,

@@ -24,7 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._numerics import Dims, Window, as_position, compute_dtype, default_scale, visibility
+from .._numerics import (
+    Dims,
+    Masking,
+    Window,
+    as_position,
+    compute_dtype,
+    default_scale,
+    visibility,
+)
 from ._energies import make_context
 from ._local import local_state, readout
 
@@ -73,10 +81,13 @@ def _split(x, blocks: int, axis: int):
     return jnp.moveaxis(x.reshape(shape), axis, 0)
 
 
-def _block_state(cfg: Blocks, energy, q, k_b, v_b, zeta, mask_b, q_offset, b):
+def _tile_visibility(cfg: Blocks, mark_b, rules: Masking | None, q_offset, b):
+    """Which keys of block `b` the queries at `q_offset` see (`mark_b`: the block's slice of
+    the boolean mask and of the key segment ids)."""
+    mask_b, kv_segments_b = mark_b
     start = b * cfg.dims.kv_seq
     slots = start + jnp.arange(cfg.dims.kv_seq) < cfg.kv_total
-    vis = visibility(
+    return visibility(
         cfg.dims,
         causal=cfg.causal,
         mask=mask_b,
@@ -84,26 +95,50 @@ def _block_state(cfg: Blocks, energy, q, k_b, v_b, zeta, mask_b, q_offset, b):
         kv_offset=start,
         slots=slots,
         window=cfg.window,
+        masking=None if rules is None else rules.keys(kv_segments_b),
     )
-    ctx = make_context(cfg.dims, cfg.scale, q_offset, start, cfg.kv_total)
+
+
+def _seen(cfg: Blocks, vis, mark_b, rules: Masking | None):
+    """Whether any query of a tile sees one of its keys, or None when every tile may (no rule
+    but the padding of the last block): a tile that no query sees is skipped."""
+    if not cfg.causal and cfg.window is None and rules is None and mark_b[0] is None:
+        return None
+    return jnp.any(vis)
+
+
+def _block_state(cfg: Blocks, energy, q, k_b, v_b, zeta, vis, q_offset, b):
+    ctx = make_context(cfg.dims, cfg.scale, q_offset, b * cfg.dims.kv_seq, cfg.kv_total)
     return local_state(energy, q, k_b, v_b, zeta, vis, ctx, cfg.at_zero)
+
+
+def _when_seen(seen, body, skipped, *args):
+    """`body(*args)`, or `skipped(*args)` (what an unseen tile contributes) when `seen` is False."""
+    if seen is None:
+        return body(*args)
+    return lax.cond(seen, body, skipped, *args)
 
 
 def _context(cfg: Blocks, q_offset):
     return make_context(cfg.dims, cfg.scale, q_offset, 0, cfg.kv_total)
 
 
-def _forward(cfg: Blocks, energy, q, ks, vs, zeta, masks, q_offset):
+def _forward(cfg: Blocks, energy, q, ks, vs, zeta, marks, rules, q_offset):
     monoid = energy.monoid
     shape = (cfg.dims.kv_heads, cfg.dims.rows)
     init = monoid.identity(shape, compute_dtype(q.dtype))
 
     def step(state, xs):
-        k_b, v_b, mask_b, b = xs
-        s = _block_state(cfg, energy, q, k_b, v_b, zeta, mask_b, q_offset, b)
+        k_b, v_b, mark_b, b = xs
+        vis = _tile_visibility(cfg, mark_b, rules, q_offset, b)
+
+        def body(k_b, v_b, vis):
+            return _block_state(cfg, energy, q, k_b, v_b, zeta, vis, q_offset, b)
+
+        s = _when_seen(_seen(cfg, vis, mark_b, rules), body, lambda *_: init, k_b, v_b, vis)
         return monoid.combine(state, s), s
 
-    xs = (ks, vs, masks, jnp.arange(cfg.blocks))
+    xs = (ks, vs, marks, jnp.arange(cfg.blocks))
     # Checkpointed bodies: differentiating this scan (training through attention, a second
     # derivative of F) recomputes a block's logits instead of storing every block's.
     merged, states = lax.scan(jax.checkpoint(step), init, xs)
@@ -111,54 +146,75 @@ def _forward(cfg: Blocks, energy, q, ks, vs, zeta, masks, q_offset):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def blockwise_terms(cfg: Blocks, energy, q, ks, vs, zeta, masks, q_offset):
-    """F `[q_seq, heads]` of blocked keys `ks[blocks, size, kv_heads, qk]`."""
-    return _forward(cfg, energy, q, ks, vs, zeta, masks, q_offset)[0]
+def blockwise_terms(cfg: Blocks, energy, q, ks, vs, zeta, marks, rules, q_offset):
+    """F `[q_seq, heads]` of blocked keys `ks[blocks, size, kv_heads, qk]`; `marks` the
+    blocks' slices of the mask and key segment ids, `rules` the rest of the masking."""
+    return _forward(cfg, energy, q, ks, vs, zeta, marks, rules, q_offset)[0]
 
 
-def _fwd(cfg, energy, q, ks, vs, zeta, masks, q_offset):
-    f, (merged, states) = _forward(cfg, energy, q, ks, vs, zeta, masks, q_offset)
-    return f, (energy, q, ks, vs, zeta, masks, q_offset, merged, states)
+def _fwd(cfg, energy, q, ks, vs, zeta, marks, rules, q_offset):
+    f, (merged, states) = _forward(cfg, energy, q, ks, vs, zeta, marks, rules, q_offset)
+    return f, (energy, q, ks, vs, zeta, marks, rules, q_offset, merged, states)
 
 
 def _bwd(cfg, res, ct):
-    energy, q, ks, vs, zeta, masks, q_offset, merged, states = res
+    energy, q, ks, vs, zeta, marks, rules, q_offset, merged, states = res
     monoid = energy.monoid
     ctx = _context(cfg, q_offset)
     _, pull_readout = jax.vjp(lambda e, m: readout(e, m, ctx), energy, merged)
     d_energy, d_merged = pull_readout(ct)
-
-    def fold(states):
-        leaf = jax.tree.leaves(states)[0]
-        init = monoid.identity(leaf.shape[1:], leaf.dtype)
-        return lax.scan(lambda c, s: (monoid.combine(c, s), None), init, states)[0]
-
-    _, pull_fold = jax.vjp(fold, states)
+    _, pull_fold = jax.vjp(functools.partial(_fold, monoid), states)
     (d_states,) = pull_fold(d_merged)
 
     def step(carry, xs):
-        k_b, v_b, mask_b, b, d_s = xs
+        k_b, v_b, mark_b, b, d_s = xs
+        vis = _tile_visibility(cfg, mark_b, rules, q_offset, b)
 
-        def block(e, q, k_b, v_b, z):
-            return _block_state(cfg, e, q, k_b, v_b, z, mask_b, q_offset, b)
+        def body(k_b, v_b, vis, d_s):
+            def block(e, q, k_b, v_b, z):
+                return _block_state(cfg, e, q, k_b, v_b, z, vis, q_offset, b)
 
-        _, pull = jax.vjp(block, energy, q, k_b, v_b, zeta)
-        d_e, d_q, d_k, d_v, d_z = pull(d_s)
+            return jax.vjp(block, energy, q, k_b, v_b, zeta)[1](d_s)
+
+        def skipped(k_b, v_b, *_):
+            return _zeros_like_tree((d_energy, q, k_b, v_b, zeta))
+
+        seen = _seen(cfg, vis, mark_b, rules)
+        d_e, d_q, d_k, d_v, d_z = _when_seen(seen, body, skipped, k_b, v_b, vis, d_s)
         carry = jax.tree.map(jnp.add, carry, (d_e, d_q, d_z))
         return carry, (d_k, d_v)
 
     zeros = jax.tree.map(jnp.zeros_like, (d_energy, q, zeta))
-    xs = (ks, vs, masks, jnp.arange(cfg.blocks), d_states)
+    xs = (ks, vs, marks, jnp.arange(cfg.blocks), d_states)
     (d_e, d_q, d_z), (d_ks, d_vs) = lax.scan(jax.checkpoint(step), zeros, xs)
     d_energy = jax.tree.map(jnp.add, d_energy, d_e)
-    return d_energy, d_q, d_ks, d_vs, d_z, _float0(masks), _float0(q_offset)
+    return d_energy, d_q, d_ks, d_vs, d_z, *_no_cotangent((marks, rules, q_offset))
 
 
-def _float0(x):
-    return None if x is None else np.zeros(np.shape(x), jax.dtypes.float0)
+def _no_cotangent(tree):
+    """Zero cotangents of inputs nothing differentiates: masks, segment ids, positions (and
+    the arrays a mask function closes over)."""
+
+    def zero(x):
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return jnp.zeros_like(x)
+        return np.zeros(np.shape(x), jax.dtypes.float0)
+
+    return jax.tree.map(zero, tree)
 
 
 blockwise_terms.defvjp(_fwd, _bwd)
+
+
+def _rules(masking: Masking | None) -> Masking | None:
+    """`masking` without its key segment ids (those travel with the key blocks)."""
+    return None if masking is None else masking.keys(None)
+
+
+def _kv_segments(masking: Masking | None, blocks: int):
+    if masking is None or masking.kv_segments is None:
+        return None
+    return _split(masking.kv_segments, blocks, 0)
 
 
 def blockwise(
@@ -176,18 +232,21 @@ def blockwise(
     scale,
     at_zero,
     window: Window | None = None,
+    masking: Masking | None = None,
 ):
     """F `[q_seq, heads]` of the whole problem, evaluated in blocks of `block` keys (`window`:
-    a sliding window by absolute position)."""
+    a sliding window by absolute position; `masking`: the other rules of visibility). A block
+    that no query sees is skipped, forward and backward."""
     blocks = -(-dims.kv_seq // block)
     local = dataclasses.replace(dims, kv_seq=-(-dims.kv_seq // blocks))
     s = default_scale(dims.qk, scale)
     cfg = Blocks(local, blocks, dims.kv_seq, s, causal, at_zero, window)
     ks, vs = _split(k, blocks, 0), _split(v, blocks, 0)
     masks = None if mask is None else _split(jnp.asarray(mask), blocks, mask.ndim - 1)
+    marks = (masks, _kv_segments(masking, blocks))
     if zeta is None:
         zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
-    return blockwise_terms(cfg, energy, q, ks, vs, zeta, masks, q_offset)
+    return blockwise_terms(cfg, energy, q, ks, vs, zeta, marks, _rules(masking), q_offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,75 +265,54 @@ def _zeros_like_tree(x):
     return jax.tree.map(jnp.zeros_like, x)
 
 
-def _seen(cfg: Blocks, q_offset, b):
-    """Whether any query of a tile (chunk at `q_offset`, key block `b`) may see one of its keys
-    by position (causal, window), or None when every tile may: a tile that cannot is skipped."""
-    if not cfg.causal and cfg.window is None:
-        return None
-    first_k = as_position(b) * cfg.dims.kv_seq
-    last_k = first_k + cfg.dims.kv_seq - 1
-    first_q = as_position(q_offset)
-    last_q = first_q + cfg.dims.q_seq - 1
-    seen = jnp.asarray(True)
-    if cfg.causal:
-        seen = seen & (first_k <= last_q)
-    if cfg.window is not None:
-        left, right = cfg.window
-        seen = seen & (first_q - last_k <= left) & (first_k - last_q <= right)
-    return seen
-
-
-def _when_seen(seen, body, skipped, *args):
-    """`body(*args)`, or `skipped(*args)` (what an unseen tile contributes) when `seen` is False."""
-    if seen is None:
-        return body(*args)
-    return lax.cond(seen, body, skipped, *args)
-
-
-def _chunk_states(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c):
+def _chunk_states(cfg: Blocks, energy, q_c, ks, vs, marks, rules, off_c):
     """Every key block's monoid state for one chunk of queries, `[blocks, kv_heads, rows]`."""
     monoid = energy.monoid
     ct = compute_dtype(q_c.dtype)
     identity = monoid.identity((cfg.dims.kv_heads, cfg.dims.rows), ct)
 
     def step(_, xs):
-        k_b, v_b, m_b, b = xs
+        k_b, v_b, mark_b, b = xs
+        vis = _tile_visibility(cfg, mark_b, rules, off_c, b)
 
-        def body(k_b, v_b, m_b):
-            return _block_state(cfg, energy, q_c, k_b, v_b, None, m_b, off_c, b)
+        def body(k_b, v_b, vis):
+            return _block_state(cfg, energy, q_c, k_b, v_b, None, vis, off_c, b)
 
-        return None, _when_seen(_seen(cfg, off_c, b), body, lambda *_: identity, k_b, v_b, m_b)
+        seen = _seen(cfg, vis, mark_b, rules)
+        return None, _when_seen(seen, body, lambda *_: identity, k_b, v_b, vis)
 
-    return lax.scan(jax.checkpoint(step), None, (ks, vs, masks_c, jnp.arange(cfg.blocks)))[1]
+    return lax.scan(jax.checkpoint(step), None, (ks, vs, marks, jnp.arange(cfg.blocks)))[1]
 
 
-def _chunk_attention(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c):
+def _chunk_attention(cfg: Blocks, energy, q_c, ks, vs, marks, rules, off_c):
     """o `[chunk, heads, dv]` of one chunk of queries, and its blocks' states."""
     ct = compute_dtype(q_c.dtype)
-    states = _chunk_states(cfg, energy, q_c, ks, vs, masks_c, off_c)
+    states = _chunk_states(cfg, energy, q_c, ks, vs, marks, rules, off_c)
     ctx = _context(cfg, off_c)
     f, pull = jax.vjp(lambda s: readout(energy, _fold(energy.monoid, s), ctx), states)
     (d_states,) = pull(jnp.ones_like(f))
     zeta = jnp.zeros((cfg.dims.q_seq, cfg.dims.heads, cfg.dims.dv), ct)
 
     def step(o, xs):
-        k_b, v_b, m_b, b, d_s = xs
+        k_b, v_b, mark_b, b, d_s = xs
+        vis = _tile_visibility(cfg, mark_b, rules, off_c, b)
 
-        def body(k_b, v_b, m_b, d_s):
+        def body(k_b, v_b, vis, d_s):
             def block(z):
-                return _block_state(cfg, energy, q_c, k_b, v_b, z, m_b, off_c, b)
+                return _block_state(cfg, energy, q_c, k_b, v_b, z, vis, off_c, b)
 
             return jax.vjp(block, zeta)[1](d_s)[0]
 
         skipped = lambda *_: jnp.zeros_like(zeta)  # noqa: E731
-        return o + _when_seen(_seen(cfg, off_c, b), body, skipped, k_b, v_b, m_b, d_s), None
+        seen = _seen(cfg, vis, mark_b, rules)
+        return o + _when_seen(seen, body, skipped, k_b, v_b, vis, d_s), None
 
-    xs = (ks, vs, masks_c, jnp.arange(cfg.blocks), d_states)
+    xs = (ks, vs, marks, jnp.arange(cfg.blocks), d_states)
     o = lax.scan(jax.checkpoint(step), jnp.zeros_like(zeta), xs)[0]
     return o, states
 
 
-def _chunk_pullback(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c, states, o_bar):
+def _chunk_pullback(cfg: Blocks, energy, q_c, ks, vs, marks, rules, off_c, states, o_bar):
     r"""Cotangents (energy, q chunk, every key block's k, v) of $H = \langle\bar o, o\rangle$
     for one chunk of queries: $H$ is the derivative of $F$ along $\bar o$ in $\zeta$, so each
     block contributes its state $s_b$ and tangent $\dot s_b$ (a JVP in $\zeta$), their
@@ -286,22 +324,24 @@ def _chunk_pullback(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c, states, o_
     o_bar = o_bar.astype(ct)
     blocks = jnp.arange(cfg.blocks)
 
-    def pair(e, q, k_b, v_b, m_b, b):
+    def pair(e, q, k_b, v_b, vis, b):
         def block(z):
-            return _block_state(cfg, e, q, k_b, v_b, z, m_b, off_c, b)
+            return _block_state(cfg, e, q, k_b, v_b, z, vis, off_c, b)
 
         return jax.jvp(block, (zeta,), (o_bar,))
 
     def tangent(_, xs):
-        k_b, v_b, m_b, b, s_b = xs
+        k_b, v_b, mark_b, b, s_b = xs
+        vis = _tile_visibility(cfg, mark_b, rules, off_c, b)
 
-        def body(k_b, v_b, m_b):
-            return pair(energy, q_c, k_b, v_b, m_b, b)[1]
+        def body(k_b, v_b, vis):
+            return pair(energy, q_c, k_b, v_b, vis, b)[1]
 
         skipped = lambda *_: _zeros_like_tree(s_b)  # noqa: E731
-        return None, _when_seen(_seen(cfg, off_c, b), body, skipped, k_b, v_b, m_b)
+        seen = _seen(cfg, vis, mark_b, rules)
+        return None, _when_seen(seen, body, skipped, k_b, v_b, vis)
 
-    xs = (ks, vs, masks_c, blocks, states)
+    xs = (ks, vs, marks, blocks, states)
     tangents = lax.scan(jax.checkpoint(tangent), None, xs)[1]
     ctx = _context(cfg, off_c)
 
@@ -313,23 +353,25 @@ def _chunk_pullback(cfg: Blocks, energy, q_c, ks, vs, masks_c, off_c, states, o_
     d_energy, d_states, d_tangents = pull(jnp.ones_like(h))
 
     def step(carry, xs):
-        k_b, v_b, m_b, b, d_s, d_t = xs
+        k_b, v_b, mark_b, b, d_s, d_t = xs
+        vis = _tile_visibility(cfg, mark_b, rules, off_c, b)
 
-        def body(k_b, v_b, m_b, d_s, d_t):
-            _, pull = jax.vjp(lambda e, q, k, v: pair(e, q, k, v, m_b, b), energy, q_c, k_b, v_b)
-            return pull((d_s, d_t))
+        def body(k_b, v_b, vis, d_s, d_t):
+            def tile(e, q, k, v):
+                return pair(e, q, k, v, vis, b)
+
+            return jax.vjp(tile, energy, q_c, k_b, v_b)[1]((d_s, d_t))
 
         def skipped(k_b, v_b, *_):
             return _zeros_like_tree((d_energy, q_c, k_b, v_b))
 
-        d_e, d_q, d_k, d_v = _when_seen(
-            _seen(cfg, off_c, b), body, skipped, k_b, v_b, m_b, d_s, d_t
-        )
+        seen = _seen(cfg, vis, mark_b, rules)
+        d_e, d_q, d_k, d_v = _when_seen(seen, body, skipped, k_b, v_b, vis, d_s, d_t)
         carry = jax.tree.map(jnp.add, carry, (d_e, d_q))
         return carry, (d_k, d_v)
 
     init = (d_energy, jnp.zeros_like(q_c))
-    xs = (ks, vs, masks_c, blocks, d_states, d_tangents)
+    xs = (ks, vs, marks, blocks, d_states, d_tangents)
     (d_energy, d_q), (d_ks, d_vs) = lax.scan(jax.checkpoint(step), init, xs)
     return d_energy, d_q, d_ks, d_vs
 
@@ -338,43 +380,59 @@ def _chunk_offsets(cfg: Blocks, chunks: int, q_offset):
     return q_offset + cfg.dims.q_seq * jnp.arange(chunks, dtype=jnp.int32)
 
 
-def _attention_forward(cfg: Blocks, energy, qs, ks, vs, masks, q_offset):
+def _chunk_inputs(cfg: Blocks, qs, marks, rules, q_offset):
+    """Per chunk of queries: its masks' tiles and its rules (its own query segment ids)."""
+    masks, kv_segments, q_segments = marks
     offsets = _chunk_offsets(cfg, qs.shape[0], q_offset)
+    return (masks, q_segments, offsets), lambda m_c, seg_c: (
+        (m_c, kv_segments),
+        None if rules is None else rules.queries(seg_c),
+    )
+
+
+def _attention_forward(cfg: Blocks, energy, qs, ks, vs, marks, rules, q_offset):
+    per_chunk, tile_marks = _chunk_inputs(cfg, qs, marks, rules, q_offset)
 
     def chunk(_, xs):
-        q_c, m_c, off_c = xs
-        return None, _chunk_attention(cfg, energy, q_c, ks, vs, m_c, off_c)
+        q_c, (m_c, seg_c, off_c) = xs
+        marks_c, rules_c = tile_marks(m_c, seg_c)
+        return None, _chunk_attention(cfg, energy, q_c, ks, vs, marks_c, rules_c, off_c)
 
-    return lax.scan(chunk, None, (qs, masks, offsets))[1]
+    return lax.scan(chunk, None, (qs, per_chunk))[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def blockwise_attention_tiles(cfg: Blocks, energy, qs, ks, vs, masks, q_offset):
+def blockwise_attention_tiles(cfg: Blocks, energy, qs, ks, vs, marks, rules, q_offset):
     """o `[chunks, chunk, heads, dv]` of query chunks `qs[chunks, chunk, heads, qk]` against
-    blocked keys `ks[blocks, block, kv_heads, qk]` (masks `[chunks, blocks, ..., chunk, block]`)."""
-    return _attention_forward(cfg, energy, qs, ks, vs, masks, q_offset)[0]
+    blocked keys `ks[blocks, block, kv_heads, qk]`; `marks`: mask tiles `[chunks, blocks, ...,
+    chunk, block]`, key segment ids `[blocks, block]` and query segment ids `[chunks, chunk]`
+    (each None when absent), `rules` the rest of the masking."""
+    return _attention_forward(cfg, energy, qs, ks, vs, marks, rules, q_offset)[0]
 
 
-def _attention_fwd(cfg, energy, qs, ks, vs, masks, q_offset):
-    o, states = _attention_forward(cfg, energy, qs, ks, vs, masks, q_offset)
-    return o, (energy, qs, ks, vs, masks, q_offset, states)
+def _attention_fwd(cfg, energy, qs, ks, vs, marks, rules, q_offset):
+    o, states = _attention_forward(cfg, energy, qs, ks, vs, marks, rules, q_offset)
+    return o, (energy, qs, ks, vs, marks, rules, q_offset, states)
 
 
 def _attention_bwd(cfg, res, o_bar):
-    energy, qs, ks, vs, masks, q_offset, states = res
-    offsets = _chunk_offsets(cfg, qs.shape[0], q_offset)
+    energy, qs, ks, vs, marks, rules, q_offset, states = res
+    per_chunk, tile_marks = _chunk_inputs(cfg, qs, marks, rules, q_offset)
 
     # Chunk by chunk: the key cotangents add up in the carry, which nothing differentiates
     # in first-order training, so the memory stays that of the arguments.
     def chunk(carry, xs):
-        q_c, m_c, off_c, s_c, o_bar_c = xs
-        d_e, d_q, d_ks, d_vs = _chunk_pullback(cfg, energy, q_c, ks, vs, m_c, off_c, s_c, o_bar_c)
+        q_c, (m_c, seg_c, off_c), s_c, o_bar_c = xs
+        marks_c, rules_c = tile_marks(m_c, seg_c)
+        d_e, d_q, d_ks, d_vs = _chunk_pullback(
+            cfg, energy, q_c, ks, vs, marks_c, rules_c, off_c, s_c, o_bar_c
+        )
         return jax.tree.map(jnp.add, carry, (d_e, d_ks, d_vs)), d_q
 
     init = _zeros_like_tree((energy, ks, vs))
-    xs = (qs, masks, offsets, states, o_bar)
+    xs = (qs, per_chunk, states, o_bar)
     (d_energy, d_ks, d_vs), d_qs = lax.scan(chunk, init, xs)
-    return d_energy, d_qs, d_ks, d_vs, _float0(masks), _float0(q_offset)
+    return d_energy, d_qs, d_ks, d_vs, *_no_cotangent((marks, rules, q_offset))
 
 
 blockwise_attention_tiles.defvjp(_attention_fwd, _attention_bwd)
@@ -412,6 +470,7 @@ def blockwise_attention(
     causal: bool,
     scale,
     window: Window | None = None,
+    masking: Masking | None = None,
     tile: int = TILE_ELEMENTS,
 ):
     r"""Attention $\partial F/\partial\zeta|_0$ `[q_seq, heads, dv]`, in tiles of `block` keys
@@ -436,8 +495,11 @@ def blockwise_attention(
     # In the compute dtype: the cotangents of q, k and v add up over tiles in float32 or wider.
     qs = _split(q.astype(ct), chunks, 0)
     ks, vs = _split(k.astype(ct), blocks, 0), _split(v.astype(ct), blocks, 0)
-    masks = _split_mask(mask, chunks, blocks)
-    o = jnp.asarray(
-        blockwise_attention_tiles(cfg, energy, qs, ks, vs, masks, as_position(q_offset))
-    )
+    q_segments = None
+    if masking is not None and masking.q_segments is not None:
+        q_segments = _split(masking.q_segments, chunks, 0)
+    marks = (_split_mask(mask, chunks, blocks), _kv_segments(masking, blocks), q_segments)
+    rules = None if masking is None else masking.keys(None).queries(None)
+    args = (cfg, energy, qs, ks, vs, marks, rules, as_position(q_offset))
+    o = jnp.asarray(blockwise_attention_tiles(*args))
     return o.reshape(chunks * chunk, dims.heads, dims.dv)[: dims.q_seq]

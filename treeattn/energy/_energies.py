@@ -331,6 +331,63 @@ class StickBreaking(Energy):
         return type(self).elements is StickBreaking.elements
 
 
+class ScoreMod(Energy):
+    r"""Softmax over logits rewritten by a FlexAttention `score_mod`.
+
+    $$F(\zeta) = \log\sum_a \exp\big(\mathrm{score\_mod}(s\,q\cdot k_a,\ b,\ h,\ i,\ j_a)
+      + \zeta\cdot v_a\big)$$
+
+    with `score_mod(score, b, h, q_idx, kv_idx)` written for scalars as in PyTorch's
+    FlexAttention: `h` the query head, `q_idx` and `kv_idx` absolute positions (so blocks and
+    shards agree), `b` 0 (treeattn's cores are per row; batch with `vmap`). It is vectorised
+    with `vmap`. A plain function is compared by identity (a new one recompiles); tables it
+    reads are learnable when it is an Equinox module or a `jax.tree_util.Partial` holding
+    them (`ScoreMod(Partial(fn, table))`): `jax.grad` then reaches them through every path.
+    Monoid: log-sum-exp. Masks go to `mask_mod=` of the attention functions, not here.
+
+    ```python
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * jnp.abs(q_idx - kv_idx).astype(score.dtype)
+
+    out = energy_attention(q, k, v, causal=True, energy=ScoreMod(alibi))
+    ```
+    """
+
+    score_mod: Any
+    monoid: ClassVar[Monoid] = LOGSUMEXP
+
+    def __init__(self, score_mod: Callable[..., Any]):
+        if not callable(score_mod):
+            raise ValueError(
+                f"ScoreMod: score_mod must be callable, got {type(score_mod).__name__}"
+            )
+        if jax.tree_util.treedef_is_leaf(jax.tree.structure(score_mod)):
+            # A plain function: as a `Partial` it is a pytree with no leaves.
+            score_mod = jax.tree_util.Partial(score_mod)
+        self.score_mod = score_mod
+
+    def logits(self, q, k, ctx):
+        x = super().logits(q, k, ctx)
+
+        def one(score, h, i, j):
+            return self.score_mod(score, jnp.zeros((), jnp.int32), h, i, j)
+
+        per_key = jax.vmap(one, in_axes=(0, None, None, 0))
+        per_row = jax.vmap(per_key, in_axes=(0, 0, 0, None))
+        per_kv_head = jax.vmap(per_row, in_axes=(0, 0, None, None))
+        head = jnp.asarray(ctx.head, jnp.int32)
+        out = per_kv_head(x, head, ctx.q_pos, ctx.k_pos)
+        if out.shape != x.shape:
+            raise ValueError(
+                f"ScoreMod: score_mod must return one score per (score, b, h, q_idx, kv_idx), "
+                f"got shape {tuple(out.shape)} for logits of shape {tuple(x.shape)}"
+            )
+        return out.astype(x.dtype)
+
+    def elements(self, x, tilt, ctx):
+        return x + tilt
+
+
 def is_plain_softmax(energy: Energy) -> bool:
     """`Softmax()` with every default (Python numbers, not arrays): the energy the fused
     decoding kernels serve, with the results of the functions called without `energy=` (which

@@ -14,6 +14,7 @@ so one gradient gives every output.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import jax
@@ -22,6 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
     as_position,
+    check_masking,
     check_window,
     compute_dtype,
     default_scale,
@@ -112,6 +114,11 @@ def causal_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The causal free energy $F_\mathrm{tot}$ of eq. (16), one source per query.
@@ -127,6 +134,7 @@ def causal_free_energy(
     **Arguments:** `q[q_seq, qk]`, `k[kv_seq, qk]`, `v[kv_seq, dv]`, `zeta[q_seq, dv]`, `scale`
     (default $1/\sqrt{qk}$), `q_offset` (int or integer scalar array), `local_window_size`
     (a sliding window, see `multihead_free_energy`; `(w, 0)` keeps the last `w + 1` tokens),
+    the segment ids, `prefix_length`, `chunk_size` and `mask_mod` of `multihead_free_energy`,
     `energy` (default `Softmax()`).
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs).
@@ -142,6 +150,8 @@ def causal_free_energy(
             raise ValueError(f"{fn}: {name} must have shape {want}, got shape {jnp.shape(x)}")
     args = {name: x[:, None] for name, x in dict(q=q, k=k, v=v, zeta=zeta).items()}
     kw: dict[str, Any] = dict(scale=scale, q_offset=q_offset, energy=energy)
+    kw |= dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    kw |= dict(prefix_length=prefix_length, chunk_size=chunk_size, mask_mod=mask_mod)
     return _multihead(fn, **args, causal=True, mask=None, local_window_size=local_window_size, **kw)
 
 
@@ -156,6 +166,11 @@ def multihead_free_energy(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
     block_size: int | None = None,
 ) -> Float[Array, ""]:
@@ -178,6 +193,18 @@ def multihead_free_energy(
     - `local_window_size`: a sliding window by absolute position (jax's meaning): `(left,
       right)` lets query position $i$ see keys $j$ with $i - \mathrm{left} \le j \le i +
       \mathrm{right}$; an int `w` is `(w, w)`. Combined with `causal` and `mask` by "and".
+    - `q_segment_ids[q_seq]`, `kv_segment_ids[kv_seq]` (integers, both or neither): packed
+      sequences; a query sees only the keys of its own segment.
+    - `prefix_length` (int or traced scalar): prefix-LM; keys at positions below it are seen by
+      every query, whatever `causal`, the window or `chunk_size` say.
+    - `chunk_size` (a Python int): chunked attention; the query at position $i$ sees keys $j$
+      with $\lfloor i/C\rfloor = \lfloor j/C\rfloor$ only (with `causal`: Llama 4's local
+      layers).
+    - `mask_mod(b, h, q_idx, kv_idx) -> bool`: FlexAttention's mask function of the query
+      head and the absolute positions (`b` is 0), for scalars; a plain function is compared
+      by identity (a new one recompiles), a `jax.tree_util.Partial` or Equinox module traces
+      the arrays it holds. Every rule joins the others by "and"; blocks of keys that no query
+      of a tile sees are skipped in blockwise evaluation (forward and backward).
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
     - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
       gradient (a custom VJP). By default every energy does so by itself above 2^26
@@ -204,14 +231,16 @@ def _multihead(
     local_window_size=None,
     energy: Energy = SOFTMAX,
     block_size=None,
+    **rules,
 ) -> Array:
     check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     window = check_window(fn, local_window_size)
+    masking = check_masking(fn, q_seq=q.shape[0], kv_seq=k.shape[0], **rules)
     check_energy(fn, energy)
     check_block_size(fn, block_size)
     kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
-    return total_energy(energy, q, k, v, zeta, mask, as_position(q_offset), **kw)
+    return total_energy(energy, q, k, v, zeta, mask, as_position(q_offset), **kw, masking=masking)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +259,11 @@ def energy_attention(
     scale: float | None = ...,
     q_offset: int | Int[Array, ""] = ...,
     local_window_size: int | tuple[int, int] | None = ...,
+    q_segment_ids: Int[Array, " q_seq"] | None = ...,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = ...,
+    prefix_length: int | Int[Array, ""] | None = ...,
+    chunk_size: int | None = ...,
+    mask_mod: Callable[..., Any] | None = ...,
     energy: Energy = ...,
     block_size: int | None = ...,
     return_free_energy: Literal[False] = ...,
@@ -247,6 +281,11 @@ def energy_attention(
     scale: float | None = ...,
     q_offset: int | Int[Array, ""] = ...,
     local_window_size: int | tuple[int, int] | None = ...,
+    q_segment_ids: Int[Array, " q_seq"] | None = ...,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = ...,
+    prefix_length: int | Int[Array, ""] | None = ...,
+    chunk_size: int | None = ...,
+    mask_mod: Callable[..., Any] | None = ...,
     energy: Energy = ...,
     block_size: int | None = ...,
     return_free_energy: Literal[True],
@@ -263,6 +302,11 @@ def energy_attention(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
     block_size: int | None = None,
     return_free_energy: bool = False,
@@ -303,6 +347,16 @@ def energy_attention(
     check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
     check_q_offset("energy_attention", q_offset)
     window = check_window("energy_attention", local_window_size)
+    masking = check_masking(
+        "energy_attention",
+        q_seq=q.shape[0],
+        kv_seq=k.shape[0],
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        prefix_length=prefix_length,
+        chunk_size=chunk_size,
+        mask_mod=mask_mod,
+    )
     check_energy("energy_attention", energy)
     check_block_size("energy_attention", block_size)
     if not isinstance(return_free_energy, bool):
@@ -313,7 +367,15 @@ def energy_attention(
     # A jitted core: called eagerly it compiles once per shape (rather than op by op), and a
     # new `q_offset` does not recompile.
     return attention(
-        energy, q, k, v, mask, as_position(q_offset), **kw, with_energy=return_free_energy
+        energy,
+        q,
+        k,
+        v,
+        mask,
+        as_position(q_offset),
+        **kw,
+        with_energy=return_free_energy,
+        masking=masking,
     )
 
 
@@ -327,6 +389,11 @@ def attention_reference(
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention written out in float32: the twin of
@@ -349,17 +416,31 @@ def attention_reference(
     check_multihead("attention_reference", q, k, v, mask=mask, scale=scale)
     check_q_offset("attention_reference", q_offset)
     window = check_window("attention_reference", local_window_size)
+    masking = check_masking(
+        "attention_reference",
+        q_seq=q.shape[0],
+        kv_seq=k.shape[0],
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        prefix_length=prefix_length,
+        chunk_size=chunk_size,
+        mask_mod=mask_mod,
+    )
     check_energy("attention_reference", energy)
-    kw = {"causal": causal, "scale": scale, "window": window}
+    kw = {"causal": causal, "scale": scale, "window": window, "masking": masking}
     if is_plain_softmax(energy):
         return _attention_reference(q, k, v, mask, as_position(q_offset), **kw)
     return _energy_reference(energy, q, k, v, mask, as_position(q_offset), **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
-def _attention_reference(q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
+def _attention_reference(
+    q, k, v, mask, q_offset, *, causal, scale, window=None, masking=None
+) -> Array:
     dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
+    vis = visibility(
+        dims, causal=causal, mask=mask, q_offset=q_offset, window=window, masking=masking
+    )
     ct = compute_dtype(q.dtype)
     k, v, bad = finite_kv(k, v)
     shape = (dims.kv_heads, dims.group, dims.q_seq, dims.kv_seq)
@@ -377,9 +458,13 @@ def _attention_reference(q, k, v, mask, q_offset, *, causal, scale, window=None)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "window"))
-def _energy_reference(energy, q, k, v, mask, q_offset, *, causal, scale, window=None) -> Array:
+def _energy_reference(
+    energy, q, k, v, mask, q_offset, *, causal, scale, window=None, masking=None
+) -> Array:
     dims = dims_of(q, k, v)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
+    vis = visibility(
+        dims, causal=causal, mask=mask, q_offset=q_offset, window=window, masking=masking
+    )
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
     return reference_terms(energy, q, k, v, vis, ctx)[0]
 
@@ -403,6 +488,12 @@ def value_moments(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads *dv"]:
     r"""The `order`-th cumulant tensor of the values, for every query and head.
@@ -425,15 +516,30 @@ def value_moments(
     """
     if not isinstance(order, int) or isinstance(order, bool) or order < 1:
         raise ValueError(f"value_moments: order must be an integer >= 1, got {order!r}")
-    return _cumulant("value_moments", q, k, v, order, causal, mask, scale, q_offset, energy)
+    rules = dict(
+        local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        prefix_length=prefix_length,
+        chunk_size=chunk_size,
+        mask_mod=mask_mod,
+    )
+    return _cumulant(
+        "value_moments", q, k, v, order, causal, mask, scale, q_offset, energy, **rules
+    )
 
 
-def _cumulant(fn, q, k, v, order, causal, mask, scale, q_offset, energy) -> Array:
+def _cumulant(
+    fn, q, k, v, order, causal, mask, scale, q_offset, energy, local_window_size, **rules
+) -> Array:
     check_multihead(fn, q, k, v, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
+    window = check_window(fn, local_window_size)
+    masking = check_masking(fn, q_seq=q.shape[0], kv_seq=k.shape[0], **rules)
     check_energy(fn, energy)
     q_pos = as_position(q_offset)
-    return cumulant(energy, q, k, v, mask, q_pos, order=order, causal=causal, scale=scale)
+    kw = {"order": order, "causal": causal, "scale": scale, "window": window}
+    return cumulant(energy, q, k, v, mask, q_pos, **kw, masking=masking)
 
 
 def value_covariance(
@@ -445,6 +551,12 @@ def value_covariance(
     mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
     scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv dv"]:
     r"""The covariance of the values under each query's attention distribution.
@@ -463,4 +575,12 @@ def value_covariance(
     **Returns:** `[q_seq, heads, dv, dv]`, symmetric positive semi-definite, in the dtype of the
     inputs; 0 for a query with no visible key.
     """
-    return _cumulant("value_covariance", q, k, v, 2, causal, mask, scale, q_offset, energy)
+    rules = dict(
+        local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        prefix_length=prefix_length,
+        chunk_size=chunk_size,
+        mask_mod=mask_mod,
+    )
+    return _cumulant("value_covariance", q, k, v, 2, causal, mask, scale, q_offset, energy, **rules)

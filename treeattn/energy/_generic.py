@@ -24,6 +24,7 @@ from jaxtyping import Array
 
 from .._numerics import (
     Dims,
+    Masking,
     Window,
     compute_dtype,
     default_scale,
@@ -39,17 +40,32 @@ from ._local import local_state, readout
 
 
 def free_energy_terms(
-    energy, q, k, v, zeta, mask, q_offset, causal, scale, at_zero, block_size=None, window=None
+    energy,
+    q,
+    k,
+    v,
+    zeta,
+    mask,
+    q_offset,
+    causal,
+    scale,
+    at_zero,
+    block_size=None,
+    window=None,
+    masking: Masking | None = None,
 ) -> Array:
     """$F$ of every (query, head), `[q_seq, heads]`, blockwise when `choose_block` picks a
     block (see `total_energy`), else from the materialised logits. `window` is a sliding window
-    by absolute position."""
+    by absolute position; `masking` the other rules of visibility (segments, prefix, chunks)."""
     dims = dims_of(q, k, v)
     block = choose_block(dims, block_size)
     if block is not None:
         kw = {"block": block, "causal": causal, "scale": scale, "at_zero": at_zero}
-        return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, window=window, **kw)
-    vis = visibility(dims, causal=causal, mask=mask, q_offset=q_offset, window=window)
+        kw |= {"window": window, "masking": masking}
+        return blockwise(energy, q, k, v, zeta, mask, q_offset, dims, **kw)
+    vis = visibility(
+        dims, causal=causal, mask=mask, q_offset=q_offset, window=window, masking=masking
+    )
     ctx = make_context(dims, default_scale(dims.qk, scale), q_offset, 0, dims.kv_seq)
     state = local_state(energy, q, k, v, zeta, vis, ctx, at_zero, once=True)
     return lse_from_rows(energy.readout(state, ctx), ctx.dims)
@@ -57,10 +73,22 @@ def free_energy_terms(
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_size", "window"))
 def total_energy(
-    energy, q, k, v, zeta, mask, q_offset, *, causal, scale, block_size=None, window=None
+    energy,
+    q,
+    k,
+    v,
+    zeta,
+    mask,
+    q_offset,
+    *,
+    causal,
+    scale,
+    block_size=None,
+    window=None,
+    masking=None,
 ):
     args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, False, block_size, window)
-    return jnp.sum(free_energy_terms(*args))
+    return jnp.sum(free_energy_terms(*args, masking))
 
 
 @functools.partial(
@@ -79,6 +107,7 @@ def attention(
     block_size=None,
     window=None,
     with_energy=False,
+    masking=None,
 ):
     r"""$\partial F/\partial\zeta$ at 0 `[q_seq, heads, dv]` (and with `with_energy`, $F(0)$
     `[q_seq, heads]`): blockwise (a custom VJP of its own, in O(N d) memory through training)
@@ -88,6 +117,7 @@ def attention(
     block = choose_block(dims, block_size)
     if block is not None:
         kw = {"block": block, "causal": causal, "scale": scale, "window": window}
+        kw["masking"] = masking
         with jax.named_scope("energy_attention"):
             out = blockwise_attention(energy, q, k, v, mask, q_offset, dims, **kw)
             if not with_energy:
@@ -99,7 +129,7 @@ def attention(
 
     def terms(zeta):
         args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0, window)
-        return free_energy_terms(*args)
+        return free_energy_terms(*args, masking)
 
     with jax.named_scope("energy_attention"):
         f, pull = jax.vjp(terms, zeta)
@@ -107,14 +137,14 @@ def attention(
     return (out.astype(q.dtype), f) if with_energy else out.astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("order", "causal", "scale"))
-def cumulant(energy, q, k, v, mask, q_offset, *, order, causal, scale):
+@functools.partial(jax.jit, static_argnames=("order", "causal", "scale", "window"))
+def cumulant(energy, q, k, v, mask, q_offset, *, order, causal, scale, window=None, masking=None):
     dims = dims_of(q, k, v)
 
     def total(zeta):
         # Forward mode (the higher derivatives) needs the materialised form: block_size=0.
-        args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0)
-        return jnp.sum(free_energy_terms(*args))
+        args = (energy, q, k, v, zeta, mask, q_offset, causal, scale, True, 0, window)
+        return jnp.sum(free_energy_terms(*args, masking))
 
     def mean_field(u):
         return jax.grad(total)(jnp.broadcast_to(u, (dims.q_seq, dims.heads, dims.dv)))
@@ -283,11 +313,17 @@ class OnMesh:
     has_mask: bool
     window: Window | None = None  # a sliding window by absolute position
 
-    def specs(self, mask_ndim: int):
+    def specs(self, args: dict):
         seq = self.sharding.spec(3, 0)
-        specs = {"q": P(), "k": seq, "v": seq, "zeta": P(), "q_offset": P()}
+        specs: dict[str, Any] = {"q": P(), "k": seq, "v": seq, "zeta": P(), "q_offset": P()}
         if self.has_mask:
-            specs["mask"] = self.sharding.spec(mask_ndim, mask_ndim - 1)
+            specs["mask"] = self.sharding.spec(_mask_ndim(args), _mask_ndim(args) - 1)
+        if "masking" in args:
+            # Every rule is replicated but the key segment ids, which travel with the keys.
+            m = args["masking"]
+            specs["masking"] = jax.tree.map(lambda _: P(), m.keys(None)).keys(
+                None if m.kv_segments is None else self.sharding.spec(1, 0)
+            )
         return specs
 
     def local(self, a: dict):
@@ -299,6 +335,7 @@ class OnMesh:
             q_offset=a["q_offset"],
             kv_offset=kv_offset,
             window=self.window,
+            masking=a.get("masking"),
         )
         return (a["q"], a["k"], a["v"], a["zeta"], vis, a["q_offset"], kv_offset)
 
@@ -313,7 +350,7 @@ def _mesh_forward(plan: OnMesh, energy, args: dict):
         return f, jax.tree.map(lambda x: jnp.asarray(x)[None], saved)
 
     axis = plan.sharding.axis_name
-    in_specs = (P(), plan.specs(_mask_ndim(args)))
+    in_specs = (P(), plan.specs(args))
     return plan.sharding.shard_map(local, in_specs, (P(), P(axis)))(energy, args)
 
 
@@ -329,7 +366,7 @@ def _mesh_terms_fwd(plan, energy, args):
 
 def _mesh_terms_bwd(plan, res, ct):
     energy, args, saved = res
-    specs = plan.specs(_mask_ndim(args))
+    specs = plan.specs(args)
     axis = plan.sharding.axis_name
 
     def local(energy, a, saved, ct):
@@ -347,9 +384,9 @@ def _mesh_terms_bwd(plan, res, ct):
     # On a mesh with Explicit axes each cotangent takes the sharding type of its input.
     mesh = plan.sharding.user_mesh
     grads: dict[str, Any] = {name: _like(g, args[name], mesh) for name, g in grads.items()}
-    for name in ("q_offset", "mask"):
+    for name in ("q_offset", "mask", "masking"):
         if name in args:
-            grads[name] = _zero_cotangent(args[name])
+            grads[name] = jax.tree.map(_zero_cotangent, args[name])
     return d_energy, grads
 
 

@@ -16,13 +16,23 @@ outside both, so it holds for every reduction schedule.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from .._numerics import as_position, check_window, compute_dtype, default_scale, visibility
+from .._numerics import (
+    MASKING_ARGUMENTS,
+    as_position,
+    check_masking,
+    check_window,
+    compute_dtype,
+    default_scale,
+    visibility,
+)
 from .._partials import (
     AxisName,
     Reduction,
@@ -57,6 +67,9 @@ def _sharded(fn, q, k, v, zeta, *, axis_name, mask, q_offset, kv_offset, reducti
     else:
         check_q_offset(fn, kv_offset, name="kv_offset")
     window = check_window(fn, rest["local_window_size"])
+    masking = check_masking(
+        fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **{n: rest[n] for n in MASKING_ARGUMENTS}
+    )
     vis = visibility(
         dims,
         causal=rest["causal"],
@@ -64,6 +77,7 @@ def _sharded(fn, q, k, v, zeta, *, axis_name, mask, q_offset, kv_offset, reducti
         q_offset=q_offset,
         kv_offset=kv_offset,
         window=window,
+        masking=masking,
     )
     s = default_scale(dims.qk, scale)
     offsets = (as_position(q_offset), as_position(kv_offset))
@@ -86,6 +100,11 @@ def sharded_free_energy(
     kv_offset: int | Int[Array, ""] | None = None,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""The multi-head free energy of keys and values sharded along `axis_name` (Algorithm 1).
@@ -105,8 +124,10 @@ def sharded_free_energy(
     packed in it); the gradients in the local `k` and `v` need none.
 
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy] (the
-    sliding `local_window_size` included: positions are absolute, so each shard applies it to
-    its own keys), plus `axis_name` (a mesh axis name or tuple of names), `kv_offset`, and
+    sliding `local_window_size`, the segment ids, `prefix_length`, `chunk_size` and `mask_mod`
+    included: positions are absolute, so each shard applies them to its own keys, and
+    `kv_segment_ids` is this shard's), plus `axis_name` (a mesh axis name or tuple of names),
+    `kv_offset`, and
     `reduction` in `{"allreduce", "butterfly", "hierarchical"}` (`"butterfly"` needs
     `check_vma=False` on the enclosing `shard_map`; `"hierarchical"` needs
     `axis_name=(slow, fast)`), and `energy` (default `Softmax()`): any
@@ -132,6 +153,11 @@ def sharded_energy_attention(
     kv_offset: int | Int[Array, ""] | None = None,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over sharded keys as `jax.grad` of the sharded free energy at $\zeta = 0$.
@@ -161,6 +187,9 @@ def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **r
     dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
     check_q_offset(fn, q_offset)
     window = check_window(fn, rest["local_window_size"])
+    masking = check_masking(
+        fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **{n: rest[n] for n in MASKING_ARGUMENTS}
+    )
     check_energy(fn, energy)
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     check_reduction(fn, reduction, sharding.axis_name)
@@ -168,7 +197,7 @@ def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **r
     if dims.kv_seq == 0:  # no key to shard: the answer needs no device but this one
         if at_zero:
             return jnp.zeros((dims.q_seq, dims.heads, dims.dv), q.dtype)
-        kw = {"causal": causal, "scale": scale, "window": window}
+        kw = {"causal": causal, "scale": scale, "window": window, "masking": masking}
         return total_energy(energy, q, k, v, zeta, mask, jnp.asarray(q_offset, jnp.int32), **kw)
     pad = sharding.padding(dims.kv_seq)
     if pad:
@@ -179,6 +208,8 @@ def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **r
             mask = jnp.broadcast_to(valid, (dims.q_seq, dims.kv_seq + pad))
         else:
             mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
+        if masking is not None and masking.kv_segments is not None:
+            masking = masking.keys(sharding.pad(masking.kv_segments, 0))
     local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
     s = default_scale(dims.qk, scale)
     has_mask = mask is not None
@@ -190,6 +221,8 @@ def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **r
     args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
     if mask is not None:
         args["mask"] = jnp.asarray(mask)
+    if masking is not None:
+        args["masking"] = masking
     if at_zero:
         return mesh_attention(plan, energy, args).astype(q.dtype)
     return mesh_total(plan, energy, args)
@@ -209,6 +242,11 @@ def tree_free_energy(
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, ""]:
     r"""[`sharded_free_energy`][treeattn.energy.sharded_free_energy] for global arrays.
@@ -218,8 +256,9 @@ def tree_free_energy(
     does not divide evenly is padded with masked keys (so some shards may hold no valid key at
     all). Same value as [`multihead_free_energy`][treeattn.energy.multihead_free_energy];
     differentiable in `q`, `k`, `v` and `zeta` with the one-reduction gradient of Algorithm 2,
-    for every schedule. `local_window_size` is a sliding window by absolute position, as in
-    `multihead_free_energy`. Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
+    for every schedule. `local_window_size`, the segment ids (`kv_segment_ids` split with the
+    keys), `prefix_length`, `chunk_size` and `mask_mod` act as in `multihead_free_energy`.
+    Any `energy` (default `Softmax()`) reduces with its monoid's schedule.
 
     ```python
     mesh = jax.make_mesh((4,), ("kv",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -242,6 +281,11 @@ def tree_energy_attention(
     q_offset: int | Int[Array, ""] = 0,
     reduction: Reduction = "allreduce",
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: Int[Array, " q_seq"] | None = None,
+    kv_segment_ids: Int[Array, " kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     energy: Energy = SOFTMAX,
 ) -> Float[Array, "q_seq heads dv"]:
     r"""Attention over a sequence sharded on `kv_axis`: `jax.grad` of

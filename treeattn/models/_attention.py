@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._numerics import Dims, Window, check_window, visibility
 from ..decode import AttentionBackend, AttentionName, cache_layout
@@ -214,14 +214,17 @@ class MultiheadAttention(eqx.Module):
         process_heads: Callable | None = None,
         cache: Cache | None = None,
         backend: AttentionName | AttentionBackend | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "q_seq o_size"] | tuple[Float[Array, "q_seq o_size"], Cache]:
         """**Arguments:** as `equinox.nn.MultiheadAttention.__call__` (`query`, `key_`, `value`,
         `mask`, `key`, `inference`, `deterministic`, `process_heads`), plus `cache` (the KV cache
         of this layer: the new keys and values are appended, and attention runs over all cached
         tokens, the queries at the positions after them; or, with a `LinearKernel` energy, a
         `LinearCache`: the new keys are added to its linear state, which the queries attend
-        to in constant time) and `backend` (overrides the layer's; a linear state runs the same
-        on every backend).
+        to in constant time), `backend` (overrides the layer's; a linear state runs the same
+        on every backend) and `segment_ids` (packed sequences, self-attention without a
+        cache: integer document ids `[seq]`, each document contiguous; a query sees only the
+        keys of its own document, and rotary positions restart at 0 in each).
 
         **Returns:** `[q_seq, output_size]`, or `(output, new_cache)` when `cache` is given.
         """
@@ -259,6 +262,11 @@ class MultiheadAttention(eqx.Module):
             q_offset = jnp.asarray(cache.length)
             k_pos = q_offset + jnp.arange(kv_seq, dtype=jnp.int32)
         q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
+        packed = None  # the documents of a packed row, [1, seq]
+        if segment_ids is not None:
+            segment_ids = _check_segment_ids(segment_ids, q_seq, kv_seq, cache)
+            k_pos = q_pos = positions_in_segments(segment_ids)
+            packed = segment_ids[None]
         if self.rotary is not None:
             q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
         # Equinox's rule: dropout is off in inference and for a Python rate of 0; a rate held
@@ -285,6 +293,11 @@ class MultiheadAttention(eqx.Module):
         if cache is None:
             new_cache = None
             if dropout_on:
+                if segment_ids is not None:
+                    raise ValueError(
+                        "MultiheadAttention: attention dropout is not combined with "
+                        "segment_ids (set dropout_p=0 or inference=True)"
+                    )
                 attn = self._attend_with_dropout(q, k, v, mask, q_offset, key, inference)
             else:
                 if mask is not None:  # [batch, #heads, q_seq, kv_seq]
@@ -300,6 +313,8 @@ class MultiheadAttention(eqx.Module):
                     mask=mask,
                     local_window_size=window,
                     energy=energy,
+                    q_segment_ids=packed,
+                    kv_segment_ids=packed,
                 )[0]
         elif isinstance(cache, LinearCache):
             attn, new_cache = self._attend_linear_state(q, k, v, cache)
@@ -446,3 +461,31 @@ class MultiheadAttention(eqx.Module):
             )
         weights = weights.astype(q.dtype)
         return jnp.einsum("hsS,Shd->shd", weights, v)
+
+
+def positions_in_segments(segment_ids: Int[Array, " seq"]) -> Int[Array, " seq"]:
+    """The position of each token within its segment (packed documents, each contiguous):
+    0 at the first token of every segment."""
+    index = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=0)
+
+
+def _check_segment_ids(segment_ids, q_seq: int, kv_seq: int, cache) -> Array:
+    if cache is not None:
+        raise ValueError(
+            "MultiheadAttention: segment_ids pack documents for training or a prefill without "
+            "a cache; with cache= the keys are the cached ones"
+        )
+    shape = tuple(jnp.shape(segment_ids))
+    if q_seq != kv_seq or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+        raise ValueError(
+            f"MultiheadAttention: segment_ids are for self-attention over one packed row "
+            f"(q_seq == kv_seq, integer ids), got q_seq={q_seq}, kv_seq={kv_seq}, dtype "
+            f"{jnp.result_type(segment_ids)}"
+        )
+    if shape != (q_seq,):
+        raise ValueError(
+            f"MultiheadAttention: segment_ids must have shape [seq] = ({q_seq},), got {shape}"
+        )
+    return jnp.asarray(segment_ids).astype(jnp.int32)

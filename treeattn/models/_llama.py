@@ -72,10 +72,10 @@ class DecoderBlock(eqx.Module):
             c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, dtype=dtype, key=k2
         )
 
-    def __call__(self, x, cache: Cache | None, backend: AttentionBackend | None):
+    def __call__(self, x, cache: Cache | None, backend: AttentionBackend | None, segment_ids=None):
         h = self.input_layernorm(x)
         if cache is None:
-            attn = self.self_attn(h, h, h, backend=backend)
+            attn = self.self_attn(h, h, h, backend=backend, segment_ids=segment_ids)
             new_cache = None
         else:
             attn, new_cache = self.self_attn(h, h, h, cache=cache, backend=backend)
@@ -219,9 +219,15 @@ class Transformer(eqx.Module):
         *,
         backend: AttentionName | AttentionBackend | None = None,
         logits_to_keep: int | Int[Array, " keep"] = 0,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """Logits of every position; with `cache`, the tokens follow the cached ones and the
         updated cache is returned too.
+
+        `segment_ids` (integer `[seq]`, without a cache) packs several documents into one row,
+        each contiguous: a token attends only to the earlier tokens of its own document, and
+        rotary positions restart at 0 in each, so every document's logits are those it gets
+        alone (see `treeattn.training.lm_loss` for a loss that stays within documents).
 
         `logits_to_keep` (as in transformers) computes the logits of some positions only: `0`
         (the default) every position, an int `k > 0` the last `k`, an integer array the
@@ -243,6 +249,7 @@ class Transformer(eqx.Module):
             cache,
             backend=backend,
             logits_to_keep=logits_to_keep,
+            segment_ids=segment_ids,
         )
 
     def from_embeddings(
@@ -252,6 +259,7 @@ class Transformer(eqx.Module):
         *,
         backend: AttentionName | AttentionBackend | None = None,
         logits_to_keep: int | Int[Array, " keep"] = 0,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """As `__call__`, from token embeddings (differentiable inputs)."""
         keep = _logits_to_keep(logits_to_keep, x.shape[0])
@@ -274,7 +282,7 @@ class Transformer(eqx.Module):
             dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
             def layer(x, params):
-                x, _ = eqx.combine(params, static)(x, None, be)
+                x, _ = eqx.combine(params, static)(x, None, be, segment_ids)
                 return x, None
 
             # Unrolling a few layers per loop trip saves most of the loop overhead while
@@ -286,7 +294,8 @@ class Transformer(eqx.Module):
             # stacked cache cannot do on XLA:CPU (the slice a layer reads is copied first).
             new_layers = []
             for i in range(self.config.num_hidden_layers):
-                x, layer_cache = self.block(i)(x, None if cache is None else cache.layer(i), be)
+                layer_cache = None if cache is None else cache.layer(i)
+                x, layer_cache = self.block(i)(x, layer_cache, be, segment_ids)
                 new_layers.append(layer_cache)
             if cache is not None:
                 new_cache = cache.with_layers(new_layers)

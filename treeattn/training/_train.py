@@ -69,11 +69,38 @@ def lm_loss(
     inputs: Int[Array, "batch seq"],
     targets: Int[Array, "batch seq"],
     backend: AttentionBackend | None = None,
+    *,
+    segment_ids: Int[Array, "batch seq"] | None = None,
 ) -> Float[Array, ""]:
-    """Mean next-token cross-entropy over a batch."""
-    logits = jax.vmap(lambda x: cast(Array, model(x, backend=backend)))(inputs)
-    logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean next-token cross-entropy over a batch.
+
+    With `segment_ids` (the document of each input token; rows of packed documents, each
+    contiguous) the model attends within documents, and a target counts only when it belongs
+    to its input's document: `targets[:, t]` is taken to be `inputs[:, t + 1]`, so the last
+    token of a document does not predict the first of the next. The mean is over the targets
+    that count."""
+    if segment_ids is None:
+        logits = jax.vmap(lambda x: cast(Array, model(x, backend=backend)))(inputs)
+        logits = logits.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    if jnp.shape(segment_ids) != jnp.shape(inputs):
+        raise ValueError(
+            f"lm_loss: segment_ids must have the shape of inputs {jnp.shape(inputs)}, got "
+            f"{jnp.shape(segment_ids)}"
+        )
+
+    def row(x, seg):
+        return cast(Array, model(x, backend=backend, segment_ids=seg))
+
+    logits = jax.vmap(row)(inputs, segment_ids).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    # The target of the last position lies beyond the row: it counts (a row cut from a stream).
+    within = jnp.concatenate(
+        [segment_ids[:, 1:] == segment_ids[:, :-1], jnp.ones_like(segment_ids[:, :1], bool)],
+        axis=1,
+    )
+    count = jnp.maximum(jnp.sum(within), 1).astype(losses.dtype)
+    return jnp.sum(jnp.where(within, losses, 0.0)) / count
 
 
 def batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
