@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from helpers import HEADS, LAMS, TOL, make_qkv, mesh_of, tree, two_level_mesh
+from helpers import HEADS, LAMS, TINY_CONFIG, TOL, make_qkv, mesh_of, tree, two_level_mesh
 from hypothesis import given, strategies as st
 from jax.test_util import check_grads
 
@@ -26,7 +26,7 @@ from treeattn.energy import (
     tree_energy_attention,
     tree_free_energy,
 )
-from treeattn.models import MultiheadAttention
+from treeattn.models import MultiheadAttention, Transformer, generate
 from treeattn.profiling import collective_stats
 
 
@@ -277,6 +277,23 @@ def test_model_layer(name, getkey):
     if name == "differential":
         grad = eqx.filter_grad(lambda m: jnp.sum(m(x, x, x, backend="energy") ** 2))(layer)
         assert np.all(np.isfinite(grad.energy.lam)) and np.abs(grad.energy.lam).min() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_tree_generate_gives_the_reference_tokens(name, getkey):
+    """A small decoder with the energy generates, through a KV cache sharded over 2 devices,
+    the tokens of the reference path."""
+    energy = {"differential": Differential(lam=jnp.asarray(0.5)),
+              "forgetting": Forgetting(), "softpick": Softpick()}[name]  # fmt: skip
+    model = Transformer(TINY_CONFIG, energy=energy, key=getkey())
+    prompt = jax.random.randint(getkey(), (5,), 0, TINY_CONFIG.vocab_size)
+    want = generate(model, prompt, max_new_tokens=4, backend="reference", max_len=16)
+    be = tree(2)
+    got = generate(
+        model, prompt, max_new_tokens=4, backend=be, mesh=be.mesh, kv_axis="kv", max_len=16
+    )
+    np.testing.assert_array_equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------
