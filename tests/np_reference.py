@@ -347,7 +347,7 @@ def _distribution_moments(p, vals):
 
 
 def differential_attention(q, k, v, lam, *, scale=None, causal=False, mask=None, q_offset=0):
-    """Differential attention (Ye et al., eq. 1): softmax(s q1.k1) v - lam softmax(s q2.k2) v
+    """Differential attention (Ye et al., 2024): softmax(s q1.k1) v - lam softmax(s q2.k2) v
     with q = [q1 | q2], k = [k1 | k2] (halves of the last axis), `lam` a scalar or [heads];
     and the Hessian of F1 - lam F2, Cov_p1(v) - lam Cov_p2(v). The scale defaults to
     1/sqrt(qk) of the whole width. Rows that see no key give 0."""
@@ -399,7 +399,7 @@ def decayed_attention(q, k, v, c_q, c_k, *, scale=None, causal=False, mask=None,
 
 
 def forgetting_attention(q, k, v, log_forget, *, scale=None, mask=None, q_offset=0):
-    """Causal Forgetting-Transformer attention (Lin et al., eq. 5) from the gates themselves:
+    """Causal Forgetting-Transformer attention (Lin et al., 2025) from the gates themselves:
     query i (at position q_offset + i) weighs key j <= its position by
     exp(s q_i.k_j) prod_{l=j+1}^{i} f_l, i.e. the logit s q_i.k_j + sum_{l=j+1}^{i} log f_l,
     with `log_forget[kv_seq, kv_heads]` (one gate per key/value head). Returns
@@ -429,7 +429,7 @@ def forgetting_attention(q, k, v, log_forget, *, scale=None, mask=None, q_offset
 
 
 def softpick_attention(q, k, v, *, scale=None, causal=False, mask=None, q_offset=0):
-    """Softpick (Zuhri et al., eq. 4): w_a = relu(e^x_a - 1) / sum_b |e^x_b - 1| over the
+    """Softpick (Zuhri et al., 2025): w_a = relu(e^x_a - 1) / sum_b |e^x_b - 1| over the
     visible keys (masked keys contribute nothing), and the Hessian in zeta of
     F = log(sum_{x>0} (e^x - 1) e^{zeta.v} + sum_{x<=0} (1 - e^x)): sum_a w_a v_a v_a^T - o o^T.
     A row whose weights are all 0 gives 0."""

@@ -20,9 +20,9 @@ PAIR_LOGSUMEXP = product(LOGSUMEXP, LOGSUMEXP)
 
 
 class Differential(Energy):
-    r"""Differential attention (Ye et al., 2025, "Differential Transformer", eq. 1): the
-    difference of two softmax attentions over the two halves of the query and key channels,
-    with shared values.
+    r"""Differential attention (Ye et al., 2024, "Differential Transformer"): the difference
+    of two softmax attentions over the two halves of the query and key channels, with shared
+    values.
 
     With $q = [q_1 \mid q_2]$ and $k_a = [k_{1,a} \mid k_{2,a}]$ (the last axis cut in two
     equal halves) and $F_j(\zeta) = \log\sum_a e^{s\,q_j\cdot k_{j,a} + \zeta\cdot v_a}$,
@@ -74,7 +74,7 @@ class Differential(Energy):
 
 
 class Forgetting(Energy):
-    r"""The Forgetting Transformer's attention (FoX; Lin et al., 2025, eq. 5): softmax with a
+    r"""The Forgetting Transformer's attention (FoX; Lin et al., 2025): softmax with a
     data-dependent decay, logits $x_{ij} = s\,q_i\cdot k_j + c_i - c_j$, where
     $c_i = \sum_{l \le i} \log f_l$ is the cumulative sum of the log forget gates
     ($\log f_l \le 0$), so that $e^{c_i - c_j} = \prod_{l=j+1}^{i} f_l$ for $j \le i$.
@@ -155,7 +155,7 @@ def _log_abs_expm1_jvp(primals, tangents):
 
 
 class Softpick(Energy):
-    r"""Softpick (Zuhri et al., 2025, eq. 4): rectified weights over an absolute normaliser,
+    r"""Softpick (Zuhri et al., 2025): rectified weights over an absolute normaliser,
 
     $$w_a = \frac{\mathrm{relu}(e^{x_a} - 1)}{\sum_b |e^{x_b} - 1|},$$
 
