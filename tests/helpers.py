@@ -21,11 +21,14 @@ from jax.sharding import AxisType, Mesh
 
 from treeattn.energy import (
     SUM,
+    Differential,
     Energy,
+    Forgetting,
     LinearKernel,
     Sigmoid,
     Softmax,
     SoftmaxWithSink,
+    Softpick,
     StickBreaking,
 )
 from treeattn.models import AttentionBackend, LlamaConfig
@@ -217,6 +220,7 @@ class ReLU2(Energy):
 HEADS = 4  # query heads of the energy problems: the per-head parameters below have 4 entries
 ALIBI = np.array([0.5, 0.25, 0.125, 0.0625])
 SINKS = np.array([0.3, -1.0, 2.0, 0.0])
+LAMS = np.array([0.2, 0.5, 0.8, -0.3])  # Differential's lambda per head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +254,14 @@ ENERGIES = {
     "linear": EnergyCase("linear", {}, lambda p: LinearKernel()),
     "stick": EnergyCase("stick", {}, lambda p: StickBreaking()),
     "relu2": EnergyCase("relu2", {}, lambda p: ReLU2()),
+    # Composite energies (treeattn.energy._composite); Forgetting reads c from the last channel.
+    "differential": EnergyCase(
+        "differential",
+        {"lam": LAMS},
+        lambda p: Differential(lam=jnp.asarray(p["lam"], jnp.float32)),
+    ),
+    "forgetting": EnergyCase("forgetting", {}, lambda p: Forgetting()),
+    "softpick": EnergyCase("softpick", {}, lambda p: Softpick()),
     # In a model: parameters as arrays (leaves that train), scalars that fit any head count,
     # and a fixed sigmoid bias (the default -log n counts the key slots, which a cache changes).
     "softmax_beta_softcap": EnergyCase(
@@ -277,6 +289,9 @@ GRID = [
     "linear",
     "stick",
     "relu2",
+    "differential",
+    "forgetting",
+    "softpick",
 ]
 # One energy of each shipped class, in the models (test_model_energies).
 MODEL = ["softmax_beta_softcap", "sink_scalar", "sigmoid_fixed_bias", "linear", "stick"]

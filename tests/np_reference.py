@@ -285,8 +285,20 @@ def _row_weights(family, params, x, h, i_pos, pos, qf, kf, n_total):
 
 def energy_attention(family, params, q, k, v, *, causal=False, mask=None, q_offset=0):
     """Attention [q_seq, heads, dv] of the energy `family` ("softmax", "sink", "sigmoid",
-    "linear", "stick" or "relu2") with `params` (beta, softcap, alibi, sink, bias), and the
-    Hessian of F_{i,h} in zeta at 0, [q_seq, heads, dv, dv]."""
+    "linear", "stick", "relu2", or a composite one: "differential", "forgetting", "softpick")
+    with `params` (beta, softcap, alibi, sink, bias, lam), and the Hessian of F_{i,h} in zeta
+    at 0, [q_seq, heads, dv, dv]."""
+    vis_kw = {"causal": causal, "mask": mask, "q_offset": q_offset}
+    if family == "differential":
+        return differential_attention(q, k, v, params["lam"], **vis_kw)
+    if family == "softpick":
+        return softpick_attention(q, k, v, **vis_kw)
+    if family == "forgetting":  # c in the last channel of q and k, the scale of their width
+        qf, kf = f64(q), f64(k)
+        c_k = kf[..., -1]  # [kv_seq, kv_heads]
+        c_q = qf[..., -1]  # [q_seq, heads]
+        s = 1.0 / np.sqrt(qf.shape[-1])
+        return decayed_attention(qf[..., :-1], kf[..., :-1], v, c_q, c_k, scale=s, **vis_kw)
     x = logits(q, k)
     qf, kf = f64(q), f64(k)
     heads, q_seq, kv_seq = x.shape
@@ -359,3 +371,122 @@ def rules_visible(
             for h in range(heads):
                 vis[h, i, a] = seen and (mask_mod is None or bool(mask_mod(batch, h, qi, kj)))
     return vis
+
+
+# ---------------------------------------------------------------------------------------------
+# Composite energies, from their papers' formulas
+# ---------------------------------------------------------------------------------------------
+
+
+def _distribution_moments(p, vals):
+    """Mean and covariance of the values `vals[n, dv]` under weights `p[n]` summing to 1."""
+    mean = p @ vals
+    centred = vals - mean
+    return mean, (p[:, None] * centred).T @ centred
+
+
+def differential_attention(q, k, v, lam, *, scale=None, causal=False, mask=None, q_offset=0):
+    """Differential attention (Ye et al., 2024): softmax(s q1.k1) v - lam softmax(s q2.k2) v
+    with q = [q1 | q2], k = [k1 | k2] (halves of the last axis), `lam` a scalar or [heads];
+    and the Hessian of F1 - lam F2, Cov_p1(v) - lam Cov_p2(v). The scale defaults to
+    1/sqrt(qk) of the whole width. Rows that see no key give 0."""
+    qf, kf = f64(q), f64(k)
+    q_seq, heads, qk = qf.shape
+    half = qk // 2
+    s = 1.0 / np.sqrt(qk) if scale is None else scale
+    x1 = logits(qf[..., :half], kf[..., :half], s)
+    x2 = logits(qf[..., half:], kf[..., half:], s)
+    lam = np.broadcast_to(np.asarray(lam, np.float64), (heads,))
+    vh = values_for_heads(v, heads)
+    vis = visible(q_seq, kf.shape[0], heads, causal=causal, mask=mask, q_offset=q_offset)
+    dv = vh.shape[-1]
+    out, hess = np.zeros((q_seq, heads, dv)), np.zeros((q_seq, heads, dv, dv))
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            if not row.any():
+                continue
+            parts = []
+            for x in (x1[h, i, row], x2[h, i, row]):
+                e = np.exp(x - x.max())
+                parts.append(_distribution_moments(e / e.sum(), vh[h, row]))
+            out[i, h] = parts[0][0] - lam[h] * parts[1][0]
+            hess[i, h] = parts[0][1] - lam[h] * parts[1][1]
+    return out, hess
+
+
+def decayed_attention(q, k, v, c_q, c_k, *, scale=None, causal=False, mask=None, q_offset=0):
+    """Softmax over the logits s q_i.k_j + c_q[i, h] - c_k[j, g(h)], and its covariance."""
+    qf, kf = f64(q), f64(k)
+    q_seq, heads, qk = qf.shape
+    group = heads // kf.shape[1]
+    s = 1.0 / np.sqrt(qk) if scale is None else scale
+    x = logits(qf, kf, s)
+    vh = values_for_heads(v, heads)
+    vis = visible(q_seq, kf.shape[0], heads, causal=causal, mask=mask, q_offset=q_offset)
+    dv = vh.shape[-1]
+    out, hess = np.zeros((q_seq, heads, dv)), np.zeros((q_seq, heads, dv, dv))
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            if not row.any():
+                continue
+            y = x[h, i, row] + f64(c_q)[i, h] - f64(c_k)[row, h // group]
+            e = np.exp(y - y.max())
+            out[i, h], hess[i, h] = _distribution_moments(e / e.sum(), vh[h, row])
+    return out, hess
+
+
+def forgetting_attention(q, k, v, log_forget, *, scale=None, mask=None, q_offset=0):
+    """Causal Forgetting-Transformer attention (Lin et al., 2025) from the gates themselves:
+    query i (at position q_offset + i) weighs key j <= its position by
+    exp(s q_i.k_j) prod_{l=j+1}^{i} f_l, i.e. the logit s q_i.k_j + sum_{l=j+1}^{i} log f_l,
+    with `log_forget[kv_seq, kv_heads]` (one gate per key/value head). Returns
+    (out [q_seq, heads, dv], Hessian)."""
+    qf, kf, lf = f64(q), f64(k), f64(log_forget)
+    q_seq, heads, qk = qf.shape
+    kv_seq, kv_heads = lf.shape
+    group = heads // kv_heads
+    s = 1.0 / np.sqrt(qk) if scale is None else scale
+    x = logits(qf, kf, s)
+    for h in range(heads):
+        for i in range(q_seq):
+            at = q_offset + i
+            for j in range(min(at + 1, kv_seq)):
+                x[h, i, j] += sum(lf[m, h // group] for m in range(j + 1, at + 1))
+    vh = values_for_heads(v, heads)
+    vis = visible(q_seq, kv_seq, heads, causal=True, mask=mask, q_offset=q_offset)
+    dv = vh.shape[-1]
+    out, hess = np.zeros((q_seq, heads, dv)), np.zeros((q_seq, heads, dv, dv))
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            if row.any():
+                e = np.exp(x[h, i, row] - x[h, i, row].max())
+                out[i, h], hess[i, h] = _distribution_moments(e / e.sum(), vh[h, row])
+    return out, hess
+
+
+def softpick_attention(q, k, v, *, scale=None, causal=False, mask=None, q_offset=0):
+    """Softpick (Zuhri et al., 2025): w_a = relu(e^x_a - 1) / sum_b |e^x_b - 1| over the
+    visible keys (masked keys contribute nothing), and the Hessian in zeta of
+    F = log(sum_{x>0} (e^x - 1) e^{zeta.v} + sum_{x<=0} (1 - e^x)): sum_a w_a v_a v_a^T - o o^T.
+    A row whose weights are all 0 gives 0."""
+    x = logits(q, k, scale)
+    heads, q_seq, kv_seq = x.shape
+    vh = values_for_heads(v, heads)
+    vis = visible(q_seq, kv_seq, heads, causal=causal, mask=mask, q_offset=q_offset)
+    dv = vh.shape[-1]
+    out, hess = np.zeros((q_seq, heads, dv)), np.zeros((q_seq, heads, dv, dv))
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            e = np.exp(x[h, i, row]) - 1.0
+            denom = np.abs(e).sum()
+            if denom == 0:
+                continue
+            w = np.maximum(e, 0.0) / denom
+            vals = vh[h, row]
+            out[i, h] = w @ vals
+            hess[i, h] = np.einsum("a,ai,aj->ij", w, vals, vals) - np.outer(out[i, h], out[i, h])
+    return out, hess

@@ -532,3 +532,57 @@ $(\log w_a, \log r_a)$. Composition is associative but not commutative (stick-br
 devices the states and block positions are gathered once and folded locally in position order,
 so a permuted placement of the blocks is folded by rank, not by device index. Identity
 $(-\infty, 0)$; the default readout is $\log(Z + R)$."""
+
+
+def product(*monoids: Monoid) -> Monoid:
+    r"""The product of monoids: a state is the tuple of one state per factor, each part of the
+    elements reduces with its own monoid, and every operation acts part by part.
+
+    Associative (commutative when every factor is); across devices each factor runs its own
+    schedule, and XLA packs the factors' all-reduces of one kind into one (two log-sum-exps
+    cost a max and a sum, as one does; `reductions` counts them unpacked, an upper bound).
+    The default readout is the sum of the
+    factors' readouts, $\log(Z_1 Z_2\cdots)$ for log-partition functions; an energy over a
+    product (e.g. `Differential`, $F_1 - \lambda F_2$) reads out its own combination.
+    """
+    if not monoids:
+        raise ValueError("product: needs at least one monoid")
+
+    def lift(elements, visible):
+        return tuple(m.lift(e, visible) for m, e in zip(monoids, elements, strict=True))
+
+    def combine(a, b):
+        return tuple(m.combine(x, y) for m, x, y in zip(monoids, a, b, strict=True))
+
+    def across(state, axis_name, reduction, rank):
+        parts = [
+            m.across(s, axis_name, reduction, rank) for m, s in zip(monoids, state, strict=True)
+        ]
+        return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
+
+    def pullback(local, merged, residual, ct):
+        parts = zip(monoids, local, merged, residual, ct, strict=True)
+        return tuple(m.pullback(lo, me, r, c) for m, lo, me, r, c in parts)
+
+    def readout(state):
+        out = monoids[0].readout(state[0])
+        for m, s in zip(monoids[1:], state[1:], strict=True):
+            out = out + m.readout(s)
+        return out
+
+    def unit(elements, visible):
+        parts = zip(monoids, elements, strict=True)
+        return tuple(m.lift_unit(e, visible) for m, e in parts)  # pyright: ignore[reportOptionalCall]
+
+    return Monoid(
+        name="product(" + ", ".join(m.name for m in monoids) + ")",
+        lift=lift,
+        combine=combine,
+        identity=lambda shape, dtype: tuple(m.identity(shape, dtype) for m in monoids),
+        commutative=all(m.commutative for m in monoids),
+        across=across,
+        pullback=pullback,
+        readout=readout,
+        reductions=sum(m.reductions for m in monoids),
+        lift_unit=unit if all(m.lift_unit is not None for m in monoids) else None,
+    )

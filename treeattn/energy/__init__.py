@@ -9,6 +9,14 @@ from .._partials import (
     allreduce_partials as allreduce_partials,
     allreduce_sum as allreduce_sum,
     merge_partials as merge_partials,
+    product as product,
+)
+from ._composite import (
+    PAIR_LOGSUMEXP as PAIR_LOGSUMEXP,
+    Differential as Differential,
+    Forgetting as Forgetting,
+    Softpick as Softpick,
+    forgetting_inputs as forgetting_inputs,
 )
 from ._energies import (
     Context as Context,

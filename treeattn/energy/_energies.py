@@ -23,6 +23,10 @@ from .._numerics import Dims, as_position
 from .._partials import LOG_AFFINE, LOGSUMEXP, SUM, Monoid
 
 
+Logits = Float[Array, "kv_heads rows kv"] | tuple[Float[Array, "kv_heads rows kv"], ...]
+"""The logits of a block of keys: one array, or one per part of an energy's state."""
+
+
 class Context(NamedTuple):
     """Where a block of logits sits: sizes, scale and absolute positions.
 
@@ -76,7 +80,9 @@ class Energy(eqx.Module):
       (exactly 0 at $\zeta = 0$; its derivative is supplied without computing the product).
     - `logits(q, k, ctx)`: `q[kv_heads, rows, qk]` (rows layout), `k[kv, kv_heads, qk]`;
       default $s\,q\cdot k$. Logit transforms (soft-capping, position biases) live here, with
-      absolute positions from `ctx` so that shards and blocks agree.
+      absolute positions from `ctx` so that shards and blocks agree. It may return a pytree of
+      such arrays (several logits per key, e.g. `Differential`'s two halves): `elements` then
+      receives that pytree.
     - `once(ctx)`: a state added exactly once per query row (a sink), or None.
     - `readout(state, ctx)`: the free energy of each row; default the monoid's.
     - `reads_positions` (a property): whether `logits` reads `ctx.q_pos` / `ctx.k_pos`;
@@ -95,10 +101,10 @@ class Energy(eqx.Module):
 
     def logits(
         self, q: Float[Array, "kv_heads rows qk"], k: Float[Array, "kv kv_heads qk"], ctx: Context
-    ) -> Float[Array, "kv_heads rows kv"]:
+    ) -> Logits:
         return jnp.einsum("kmd,skd->kms", q * jnp.asarray(ctx.scale, q.dtype), k)
 
-    def elements(self, x: Float[Array, "kv_heads rows kv"], tilt, ctx: Context) -> Any:
+    def elements(self, x: Any, tilt, ctx: Context) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define elements(x, tilt, ctx)")
 
     def once(self, ctx: Context) -> Any:

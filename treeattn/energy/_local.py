@@ -69,9 +69,10 @@ def scaled_logits(
 def block_logits(
     energy: Energy, q, k, v, vis, ctx: Context, *, head_major: bool = False, finite: bool = False
 ):
-    """The energy's logits `[kv_heads, rows, kv]` of a block of keys (hidden ones set to 0, so
-    they never reach its elements nor their gradient), the visibility in the rows layout, and
-    K, V in the compute dtype (non-finite rows zeroed unless `finite`)."""
+    """The energy's logits `[kv_heads, rows, kv]` (or a pytree of them) of a block of keys
+    (hidden ones set to 0, so they never reach its elements nor their gradient), the visibility
+    in the rows layout, and K, V in the compute dtype (non-finite rows zeroed unless
+    `finite`)."""
     dims = ctx.dims
     ct = compute_dtype(q.dtype)
     bad = None
@@ -81,10 +82,10 @@ def block_logits(
     k_keys = jnp.swapaxes(k, 0, 1) if head_major else k
     x = energy.logits(to_rows(q.astype(ct), dims), k_keys.astype(ct), ctx)
     if bad is not None:
-        x = bad_logits(x, bad)
+        x = jax.tree.map(lambda x: bad_logits(x, bad), x)
     vis_rows = rows_visibility(vis, dims)
     if vis_rows is not None:
-        x = jnp.where(vis_rows, x, jnp.zeros((), x.dtype))
+        x = jax.tree.map(lambda x: jnp.where(vis_rows, x, jnp.zeros((), x.dtype)), x)
     return x, vis_rows, v.astype(ct)
 
 
