@@ -10,6 +10,12 @@ from .._partials import (
     allreduce_sum as allreduce_sum,
     merge_partials as merge_partials,
 )
+from ._diagnostics import (
+    attention_entropy as attention_entropy,
+    received_attention as received_attention,
+    tree_attention_entropy as tree_attention_entropy,
+    tree_received_attention as tree_received_attention,
+)
 from ._energies import (
     Context as Context,
     Energy as Energy,
