@@ -6,6 +6,7 @@
                                              # blockwise vs materialised training time
     python benchmarks/energies.py --decode   # also: one decode step, tree on 8 devices
     python benchmarks/energies.py --linear   # also: a LinearKernel model's decode step, 1K vs 32K
+    python benchmarks/energies.py --diagnostics  # only: entropy and received attention vs attention
 
 Per energy: run time and compiled FLOPs of `energy_attention(..., energy=E)` against the
 attention of that energy written out in jnp (materialised weights times V, the same causal
@@ -24,7 +25,12 @@ simulated CPU devices and `flash_attention(energy=E)` on one: medians of interle
 (ratios within one run) and the bytes each device sends, read from the compiled HLO. With
 `--linear`: the decode step of a small LinearKernel decoder at a context of 1K and of 32K
 tokens, against its linear state (`LinearCache`, constant size) and against a KV cache of the
-same energy (`linear_state=False`).
+same energy (`linear_state=False`). With `--diagnostics` (on its own, written to
+`results/energies_diagnostics.json`): `attention_entropy` and `received_attention` against
+`energy_attention` alone (forward, causal, float32, the default `Softmax()`) on a grid of
+sequence lengths (`--diagnostics-seqs`; above 2^26 logits all three run blockwise), the three
+timed in turns round by round (target: each within 1.5x of attention, the median of the
+per-round ratios).
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ from treeattn.energy import (
     Softmax,
     SoftmaxWithSink,
     StickBreaking,
+    attention_entropy,
     elu_plus_one,
     energy_attention,
+    received_attention,
 )
 from treeattn.models import LlamaConfig, Transformer, decode_step
 from treeattn.profiling import collective_stats
@@ -58,6 +66,7 @@ from treeattn.profiling import collective_stats
 
 TIME_TARGET = 1.15
 FLOP_TARGET = 1.05
+DIAGNOSTICS_TARGET = 1.5
 
 
 def _logits(q, k):
@@ -359,6 +368,65 @@ def attention_rows(args) -> list[dict]:
     return rows
 
 
+def diagnostics_rows(args) -> list[dict]:
+    """Per sequence length: attention, its entropy and each key's received attention (forward,
+    causal), compiled, warmed up, then timed in turns; medians, spread (min, max) and the
+    median of the per-round ratios to attention."""
+    fns = {
+        "attention": energy_attention,
+        "entropy": attention_entropy,
+        "received": received_attention,
+    }
+    print(
+        f"diagnostics vs attention, {args.heads} heads of {args.dim}, causal, float32, Softmax(); "
+        f"medians of {args.repeats} rounds (each round runs the three in turn), [min, max]; "
+        "ratio: median of per-round ratios to attention"
+    )
+    header = f"{'seq':>6} {'path':<12} " + " ".join(f"{n:>24}" for n in fns) + "  ratios"
+    print(header)
+    print("-" * len(header))
+    rows, ok = [], True
+    for seq in args.diagnostics_seqs:
+        keys = jax.random.split(jax.random.key(3), 3)
+        q, k, v = (jax.random.normal(kk, (seq, args.heads, args.dim)) for kk in keys)
+        compiled, compile_s = {}, {}
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            run = jax.jit(functools.partial(fn, causal=True)).lower(q, k, v).compile()
+            compile_s[name] = time.perf_counter() - start
+            compiled[name] = run
+            jax.block_until_ready(run(q, k, v))  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(args.repeats):
+            for name, run in compiled.items():
+                start = time.perf_counter()
+                jax.block_until_ready(run(q, k, v))
+                times[name].append(time.perf_counter() - start)
+        ratios = {
+            name: statistics.median(
+                t / a for t, a in zip(times[name], times["attention"], strict=True)
+            )
+            for name in ("entropy", "received")
+        }
+        ok &= all(r <= DIAGNOSTICS_TARGET for r in ratios.values())
+        path = "blockwise" if seq * seq * args.heads > (1 << 26) else "materialised"
+        cells = " ".join(
+            f"{statistics.median(t) * 1e3:>8.1f}ms [{min(t) * 1e3:.0f}, {max(t) * 1e3:.0f}]".rjust(
+                24
+            )
+            for t in times.values()
+        )
+        print(
+            f"{seq:>6} {path:<12} {cells}  " + " ".join(f"{n} {r:.2f}x" for n, r in ratios.items())
+        )
+        row: dict = {"seq": seq, "path": path, "ratios": ratios, "compile_s": compile_s}
+        for name, t in times.items():
+            row[name] = {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+        rows.append(row)
+    print(f"\ntarget (each <= {DIAGNOSTICS_TARGET}x attention): {'met' if ok else 'missed'}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
@@ -377,6 +445,12 @@ def main() -> None:
         "--linear-only", action="store_true", help="only the LinearKernel decode step"
     )
     parser.add_argument("--train-seq", type=int, default=2048, help="--memory: timing size")
+    parser.add_argument(
+        "--diagnostics", action="store_true", help="only: entropy, received attention vs attention"
+    )
+    parser.add_argument(
+        "--diagnostics-seqs", type=int, nargs="+", default=[1024, 2048, 4096], help="--diagnostics"
+    )
     parser.add_argument("--skip-attention", action="store_true", help="only --memory/--decode")
     args = parser.parse_args()
     if args.decode:  # before JAX starts its backends
@@ -385,6 +459,11 @@ def main() -> None:
         args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
         args.decode_seq, args.decode_batch = 1024, 2
     print(f"machine: {machine()}")
+    if args.diagnostics:
+        diag = diagnostics_rows(args)
+        payload = {"machine": machine(), "args": vars(args), "diagnostics": diag}
+        print(f"\nwrote {write_json('energies_diagnostics', payload)}")
+        return
     if args.linear_only:
         lin = linear_decode_rows(args)
         print(f"\nwrote {write_json('energies_linear', {'machine': machine(), 'linear': lin})}")

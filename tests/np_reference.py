@@ -490,3 +490,55 @@ def softpick_attention(q, k, v, *, scale=None, causal=False, mask=None, q_offset
             out[i, h] = w @ vals
             hess[i, h] = np.einsum("a,ai,aj->ij", w, vals, vals) - np.outer(out[i, h], out[i, h])
     return out, hess
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics: the entropy of each query's attention, the attention each key receives
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_entropy(q, k, **kw):
+    """-sum_a p_a log p_a of softmax attention, [q_seq, heads]; 0 where nothing is visible."""
+    p = weights(q, k, **kw)
+    safe = np.where(p > 0, p, 1.0)
+    return -np.sum(p * np.log(safe), axis=-1).T
+
+
+def received_attention(q, k, **kw):
+    """sum_i p_{i,h,a} of softmax attention, [kv_seq, heads]."""
+    return weights(q, k, **kw).sum(axis=1).T
+
+
+def energy_diagnostics(family, params, q, k, *, causal=False, mask=None, q_offset=0):
+    """(entropy [q_seq, heads], received attention [kv_seq, heads]) of the energy `family`, as
+    treeattn defines them: received attention sums the weights each key gets; the entropy is
+    Shannon's for softmax (with the sink as one more outcome), and the value of F - dF/dbeta
+    (beta scaling the logits) for the others: sigmoid sum_a softplus(z_a) - sigmoid(z_a) x_a
+    (z = x + b), linear log sum_a phi(q).phi(k_a) - 1, stick-breaking 0."""
+    x = logits(q, k)
+    qf, kf = f64(q), f64(k)
+    heads, q_seq, kv_seq = x.shape
+    group = heads // kf.shape[1]
+    vis = visible(q_seq, kv_seq, heads, causal=causal, mask=mask, q_offset=q_offset)
+    entropy = np.zeros((q_seq, heads))
+    received = np.zeros((kv_seq, heads))
+    params = {**params, "heads": heads}
+    for h in range(heads):
+        for i in range(q_seq):
+            row = vis[h, i]
+            pos = np.arange(kv_seq)[row]
+            xr, kr = x[h, i, row], kf[row, h // group]
+            w, _ = _row_weights(family, params, xr, h, q_offset + i, pos, qf[i, h], kr, kv_seq)
+            received[row, h] += w
+            if family in ("softmax", "sink"):
+                parts = np.append(w, 1.0 - w.sum()) if family == "sink" else w
+                parts = parts[parts > 0]
+                entropy[i, h] = -np.sum(parts * np.log(parts))
+            elif family == "sigmoid":
+                b = -np.log(kv_seq) if params.get("bias") is None else params["bias"]
+                z = xr + b
+                softplus = np.maximum(z, 0) + np.log1p(np.exp(-np.abs(z)))
+                entropy[i, h] = np.sum(softplus - _sigmoid(z) * xr)
+            elif family == "linear" and row.any():
+                entropy[i, h] = np.log(np.sum(_phi(kr) @ _phi(qf[i, h]))) - 1.0
+    return entropy, received

@@ -18,6 +18,12 @@ from ._composite import (
     Softpick as Softpick,
     forgetting_inputs as forgetting_inputs,
 )
+from ._diagnostics import (
+    attention_entropy as attention_entropy,
+    received_attention as received_attention,
+    tree_attention_entropy as tree_attention_entropy,
+    tree_received_attention as tree_received_attention,
+)
 from ._energies import (
     Context as Context,
     Energy as Energy,

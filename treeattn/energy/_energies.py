@@ -11,7 +11,7 @@ the sharded and tree forms (each monoid carries its collective schedule).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 import equinox as eqx
 import jax
@@ -373,7 +373,7 @@ class ScoreMod(Energy):
         self.score_mod = score_mod
 
     def logits(self, q, k, ctx):
-        x = super().logits(q, k, ctx)
+        x = cast(Array, super().logits(q, k, ctx))  # the scaled dot products, one array
 
         def one(score, h, i, j):
             return self.score_mod(score, jnp.zeros((), jnp.int32), h, i, j)

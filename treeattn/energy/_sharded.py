@@ -26,6 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
     MASKING_ARGUMENTS,
+    Masking,
     as_position,
     check_masking,
     check_window,
@@ -179,6 +180,52 @@ def sharded_energy_attention(
 # ---------------------------------------------------------------------------------------------
 
 
+def mesh_problem(
+    sharding: SequenceSharding,
+    dims,
+    q,
+    k,
+    v,
+    zeta,
+    mask,
+    q_offset,
+    scale,
+    causal,
+    reduction,
+    window,
+    masking: Masking | None = None,
+):
+    """The plan and the global arguments of an evaluation on a mesh (arguments already
+    checked, `dims.kv_seq > 0`): the sequence padded to a multiple of the device count with
+    masked keys; `zeta=None` is the point 0."""
+    at_zero = zeta is None
+    pad = sharding.padding(dims.kv_seq)
+    if pad:
+        # Keys beyond the sequence are padding: zero, and masked out everywhere.
+        k, v = sharding.pad(k, 0), sharding.pad(v, 0)
+        valid = jnp.arange(dims.kv_seq + pad) < dims.kv_seq
+        if mask is None:
+            mask = jnp.broadcast_to(valid, (dims.q_seq, dims.kv_seq + pad))
+        else:
+            mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
+        if masking is not None and masking.kv_segments is not None:
+            masking = masking.keys(sharding.pad(masking.kv_segments, 0))
+    local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
+    s = default_scale(dims.qk, scale)
+    has_mask = mask is not None
+    plan = on_mesh_plan(
+        sharding, local, dims.kv_seq, s, causal, reduction, at_zero, has_mask, window
+    )
+    if at_zero:
+        zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
+    args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
+    if mask is not None:
+        args["mask"] = jnp.asarray(mask)
+    if masking is not None:
+        args["masking"] = masking
+    return plan, args
+
+
 def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **rest):
     """Validate, pad the sequence to a multiple of the device count, and evaluate: F_tot with
     a source `zeta`, attention without (`zeta=None`, the point 0). `rest`: `causal`, `scale`,
@@ -199,30 +246,9 @@ def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **r
             return jnp.zeros((dims.q_seq, dims.heads, dims.dv), q.dtype)
         kw = {"causal": causal, "scale": scale, "window": window, "masking": masking}
         return total_energy(energy, q, k, v, zeta, mask, jnp.asarray(q_offset, jnp.int32), **kw)
-    pad = sharding.padding(dims.kv_seq)
-    if pad:
-        # Keys beyond the sequence are padding: zero, and masked out everywhere.
-        k, v = sharding.pad(k, 0), sharding.pad(v, 0)
-        valid = jnp.arange(dims.kv_seq + pad) < dims.kv_seq
-        if mask is None:
-            mask = jnp.broadcast_to(valid, (dims.q_seq, dims.kv_seq + pad))
-        else:
-            mask = sharding.pad(jnp.asarray(mask), mask.ndim - 1) & valid
-        if masking is not None and masking.kv_segments is not None:
-            masking = masking.keys(sharding.pad(masking.kv_segments, 0))
-    local = dataclasses.replace(dims, kv_seq=(dims.kv_seq + pad) // sharding.devices)
-    s = default_scale(dims.qk, scale)
-    has_mask = mask is not None
-    plan = on_mesh_plan(
-        sharding, local, dims.kv_seq, s, causal, reduction, at_zero, has_mask, window
+    plan, args = mesh_problem(
+        sharding, dims, q, k, v, zeta, mask, q_offset, scale, causal, reduction, window, masking
     )
-    if zeta is None:
-        zeta = jnp.zeros((dims.q_seq, dims.heads, dims.dv), compute_dtype(q.dtype))
-    args = {"q": q, "k": k, "v": v, "zeta": zeta, "q_offset": jnp.asarray(q_offset, jnp.int32)}
-    if mask is not None:
-        args["mask"] = jnp.asarray(mask)
-    if masking is not None:
-        args["masking"] = masking
     if at_zero:
         return mesh_attention(plan, energy, args).astype(q.dtype)
     return mesh_total(plan, energy, args)
