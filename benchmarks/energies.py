@@ -7,6 +7,7 @@
     python benchmarks/energies.py --decode   # also: one decode step, tree on 8 devices
     python benchmarks/energies.py --linear   # also: a LinearKernel model's decode step, 1K vs 32K
     python benchmarks/energies.py --diagnostics  # only: entropy and received attention vs attention
+    python benchmarks/energies.py --masking  # only: causal vs full, packed vs padded, skipping
 
 Per energy: run time and compiled FLOPs of `energy_attention(..., energy=E)` against the
 attention of that energy written out in jnp (materialised weights times V, the same causal
@@ -30,7 +31,15 @@ same energy (`linear_state=False`). With `--diagnostics` (on its own, written to
 `energy_attention` alone (forward, causal, float32, the default `Softmax()`) on a grid of
 sequence lengths (`--diagnostics-seqs`; above 2^26 logits all three run blockwise), the three
 timed in turns round by round (target: each within 1.5x of attention, the median of the
-per-round ratios).
+per-round ratios). With `--masking` (on its own, written to `results/energies_masking.json`):
+training steps through attention (forward and gradient in q, k, v; `--masking-heads` heads of
+`--dim`, float32, blockwise in blocks of 256), timed in turns round by round: causal against
+full attention at `--masking-seqs` tokens (target: about one half, the tiles above the
+diagonal skipped); and at `--packed-seq` tokens, eight documents of uneven lengths packed in
+one row with segment ids, against one unpacked causal row of the same length (target: about
+an eighth plus the diagonal blocks), the same documents padded to the longest into a batch of
+eight rows, and `jax.nn.dot_product_attention` with the dense boolean document mask (the
+baseline a user has today) — tokens per second and compiled temporaries.
 """
 
 from __future__ import annotations
@@ -50,10 +59,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from treeattn.decode import flash_attention, ring_decode, tree_decode
 from treeattn.energy import (
+    Differential,
+    Forgetting,
     LinearKernel,
     Sigmoid,
     Softmax,
     SoftmaxWithSink,
+    Softpick,
     StickBreaking,
     attention_entropy,
     elu_plus_one,
@@ -113,12 +125,40 @@ def by_hand(name):
         w = jnp.where(causal, jnp.exp(x + lax.cumsum(log_r, axis=2, reverse=True)), 0.0)
         return _apply(w, v)
 
+    def differential(q, k, v, lam=0.5):
+        # softmax(s q1.k1) v - lam softmax(s q2.k2) v, s = 1/sqrt(qk) of the whole width.
+        half = q.shape[-1] // 2
+        s = jnp.sqrt(jnp.float32(half) / q.shape[-1])  # _logits scales by 1/sqrt(half)
+        one = softmax(q[..., :half] * s, k[..., :half], v, beta=1.0)
+        two = softmax(q[..., half:] * s, k[..., half:], v, beta=1.0)
+        return one - lam * two
+
+    def forgetting(q, k, v):
+        # s q.k + c_i - c_j with c in the last channel, s = 1/sqrt(qk) of the whole width.
+        d = q.shape[-1]
+        x, causal = _logits(q[..., :-1] * jnp.sqrt(jnp.float32(d - 1) / d), k[..., :-1])
+        x = x + q[:, :, -1].T[:, :, None] - k[:, :, -1].T[:, None, :]
+        y = jnp.where(causal, x, -jnp.inf)
+        e = jnp.exp(y - jnp.max(y, axis=-1, keepdims=True))
+        return _apply(e / jnp.sum(e, axis=-1, keepdims=True), v)
+
+    def softpick(q, k, v):
+        # relu(e^x - 1) / sum |e^x - 1|, over the visible keys, shifted by the row's maximum.
+        x, causal = _logits(q, k)
+        m = jnp.maximum(jnp.max(jnp.where(causal, x, -jnp.inf), axis=-1, keepdims=True), 0.0)
+        shifted = jnp.where(causal, jnp.exp(x - m) - jnp.exp(-m), 0.0)
+        w = jax.nn.relu(shifted) / jnp.sum(jnp.abs(shifted), axis=-1, keepdims=True)
+        return _apply(w, v)
+
     return {
         "Softmax(beta=2)": softmax,
         "SoftmaxWithSink(0)": lambda q, k, v: softmax(q, k, v, beta=1.0, sink=0.0),
         "Sigmoid()": sigmoid,
         "LinearKernel()": linear,
         "StickBreaking()": stick,
+        "Differential(0.5)": differential,
+        "Forgetting()": forgetting,
+        "Softpick()": softpick,
     }[name]
 
 
@@ -128,6 +168,9 @@ ENERGIES = {
     "Sigmoid()": Sigmoid(),
     "LinearKernel()": LinearKernel(),
     "StickBreaking()": StickBreaking(),
+    "Differential(0.5)": Differential(lam=0.5),
+    "Forgetting()": Forgetting(),
+    "Softpick()": Softpick(),
 }
 
 
@@ -351,6 +394,9 @@ def attention_rows(args) -> list[dict]:
         def grad_f(q, k, v, energy=energy):
             return energy_attention(q, k, v, causal=True, energy=energy)
 
+        # The two compute the same attention (else the comparison means nothing).
+        same = jnp.max(jnp.abs(by_hand(name)(q, k, v) - grad_f(q, k, v)))
+        assert same < 1e-4, f"{name}: by hand and grad F differ by {float(same):.2e}"
         hand, grad, time_ratio = interleaved(by_hand(name), grad_f, (q, k, v), args.repeats)
         flop_ratio = grad["flops"] / hand["flops"]
         ok &= time_ratio <= TIME_TARGET and flop_ratio <= FLOP_TARGET
@@ -427,6 +473,127 @@ def diagnostics_rows(args) -> list[dict]:
     return rows
 
 
+def _train(attend) -> jax.stages.Wrapped:
+    """A training step through `attend(q, k, v)`: the gradient of sum(out^2) in q, k and v."""
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2), argnums=(0, 1, 2)))
+
+
+def _timed_in_turns(steps: dict, args_of: dict, repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for name, step in steps.items():  # compile and warm up
+        jax.block_until_ready(step(*args_of[name]))
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args_of[name]))
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _temporaries(step, args) -> int:
+    return int(step.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def _ratio(times, name, base) -> dict[str, float]:
+    per_round = [t / b for t, b in zip(times[name], times[base], strict=True)]
+    return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+
+
+def masking_rows(args) -> dict:
+    """Causal vs full, and packed vs unpacked, padded and dense-masked training steps."""
+    heads, dim, block = args.masking_heads, args.dim, 256
+    out: dict = {"causal": [], "packed": []}
+    print(
+        f"training step through attention (grad of sum(out^2) in q, k, v), {heads} heads of "
+        f"{dim}, float32, blocks of {block}; medians of {args.repeats} rounds in turns, [min, max]"
+    )
+    print(f"\n{'seq':>6} {'full':>22} {'causal':>22}  causal/full [min, max]")
+    for seq in args.masking_seqs:
+        keys = jax.random.split(jax.random.key(5), 3)
+        q, k, v = (jax.random.normal(kk, (seq, heads, dim)) for kk in keys)
+        steps = {
+            name: _train(functools.partial(energy_attention, causal=causal, block_size=block))
+            for name, causal in (("full", False), ("causal", True))
+        }
+        times = _timed_in_turns(steps, {n: (q, k, v) for n in steps}, args.repeats)
+        ratio = _ratio(times, "causal", "full")
+        cells = " ".join(
+            f"{statistics.median(t) * 1e3:>9.0f}ms [{min(t) * 1e3:.0f}, {max(t) * 1e3:.0f}]"
+            for t in times.values()
+        )
+        print(f"{seq:>6} {cells}  {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
+        row = {"seq": seq, "causal_over_full": ratio}
+        row |= {name: {"median_s": statistics.median(t)} for name, t in times.items()}
+        out["causal"].append(row)
+
+    seq = args.packed_seq
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, seq // 64), 7, replace=False)) * 64
+    lengths = np.diff(np.concatenate([[0], cuts, [seq]])).astype(int)
+    seg = np.repeat(np.arange(8, dtype=np.int32), lengths)
+    longest = int(lengths.max())
+    keys = jax.random.split(jax.random.key(6), 3)
+    q, k, v = (jax.random.normal(kk, (seq, heads, dim)) for kk in keys)
+    # The same documents padded to the longest: a batch of 8 rows, padded keys masked out.
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    index = np.minimum(starts[:, None] + np.arange(longest)[None], seq - 1)
+    qb, kb, vb = (x[index] for x in (q, k, v))
+    valid = jnp.asarray(np.arange(longest)[None] < lengths[:, None])
+    dense = jnp.asarray(seg[:, None] == seg[None, :])
+
+    def padded(qb, kb, vb):
+        def row(q, k, v, keep):
+            # Key padding as segments: the real keys in segment 0 with every query, padding in 1.
+            kw = {"q_segment_ids": jnp.zeros_like(keep, jnp.int32)}
+            kw["kv_segment_ids"] = jnp.where(keep, 0, 1).astype(jnp.int32)
+            return energy_attention(q, k, v, causal=True, **kw, block_size=block)
+
+        return jax.vmap(row)(qb, kb, vb, valid)
+
+    def jax_dense(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=dense[None], is_causal=True)
+
+    attend = {
+        "packed (segment ids)": lambda q, k, v: energy_attention(
+            q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, block_size=block
+        ),
+        "one causal row": lambda q, k, v: energy_attention(q, k, v, causal=True, block_size=block),
+        "padded (8 rows)": padded,
+        "jax.nn, dense mask": jax_dense,
+    }
+    steps = {name: _train(fn) for name, fn in attend.items()}
+    args_of = {name: (q, k, v) for name in steps}
+    args_of["padded (8 rows)"] = (qb, kb, vb)
+    temps = {name: _temporaries(step, args_of[name]) for name, step in steps.items()}
+    times = _timed_in_turns(steps, args_of, args.repeats)
+    print(
+        f"\n{seq} tokens as 8 documents of {lengths.tolist()} (padded to {longest}): "
+        "tokens/s of a training step, temporaries, time / packed [min, max]"
+    )
+    base = "packed (segment ids)"
+    for name, t in times.items():
+        med = statistics.median(t)
+        r = _ratio(times, name, base)
+        print(
+            f"  {name:<22} {seq / med:>9.0f} tok/s {med * 1e3:>8.0f}ms "
+            f"{temps[name] / 2**20:>8.0f} MiB  {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
+        )
+        out["packed"].append(
+            {
+                "case": name,
+                "tokens": seq,
+                "median_s": med,
+                "min_s": min(t),
+                "max_s": max(t),
+                "tokens_per_s": seq / med,
+                "temp_bytes": temps[name],
+                "over_packed": r,
+            }
+        )
+    out["documents"] = lengths.tolist()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
@@ -452,6 +619,10 @@ def main() -> None:
         "--diagnostics-seqs", type=int, nargs="+", default=[1024, 2048, 4096], help="--diagnostics"
     )
     parser.add_argument("--skip-attention", action="store_true", help="only --memory/--decode")
+    parser.add_argument("--masking", action="store_true", help="only: causal, packed, skipping")
+    parser.add_argument("--masking-seqs", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--masking-heads", type=int, default=4)
+    parser.add_argument("--packed-seq", type=int, default=8192)
     args = parser.parse_args()
     if args.decode:  # before JAX starts its backends
         jax.config.update("jax_num_cpu_devices", 8)
@@ -459,6 +630,10 @@ def main() -> None:
         args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
         args.decode_seq, args.decode_batch = 1024, 2
     print(f"machine: {machine()}")
+    if args.masking:
+        payload = {"machine": machine(), "args": vars(args), **masking_rows(args)}
+        print(f"\nwrote {write_json('energies_masking', payload)}")
+        return
     if args.diagnostics:
         diag = diagnostics_rows(args)
         payload = {"machine": machine(), "args": vars(args), "diagnostics": diag}
