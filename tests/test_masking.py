@@ -12,6 +12,7 @@ from helpers import (
     GRID,
     HEADS,
     TOL,
+    backend_of,
     energy_reference,
     make_energy,
     make_qkv,
@@ -20,7 +21,13 @@ from helpers import (
 from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
-from treeattn.decode import BackendUnavailable, dot_product_attention, flash_attention
+from treeattn.decode import (
+    BackendUnavailable,
+    dot_product_attention,
+    flash_attention,
+    ring_decode,
+    tree_decode,
+)
 from treeattn.energy import (
     Energy,
     ScoreMod,
@@ -214,6 +221,34 @@ def test_flash_attention_rows(backend, getkey):
         expected = ref.attention(q[b], k[b], v[b], mask=mask)
         assert ref.rel_err(out[b], expected) <= TOL[jnp.float32]
         assert lse.shape == (2, q_seq, HEADS) and np.isfinite(lse).all()
+
+
+@pytest.mark.fast(p=4)
+@pytest.mark.parametrize("p", [1, 3, 4, 8])
+def test_tree_and_ring_decode(p, getkey):
+    """A chunk of queries after a cache sharded over p devices (37 slots: padded), with every
+    rule per row: tree and ring decoding equal one device's `flash_attention`."""
+    q_seq, kv_seq = 5, 37
+    q = jax.random.normal(getkey(), (2, q_seq, HEADS, 8))
+    k = jax.random.normal(getkey(), (2, kv_seq, 2, 8))
+    v = jax.random.normal(getkey(), (2, kv_seq, 2, 8))
+    segs = np.stack([documents((10, 7, 15, 5)), documents((20, 17))])
+    kw = {
+        "causal": True,
+        "q_offset": kv_seq - q_seq,
+        "q_segment_ids": segs[:, -q_seq:],
+        "kv_segment_ids": segs,
+        "prefix_length": np.array([2, 6], np.int32),
+        "mask_mod": every_third,
+    }
+    mesh = mesh_of(p)
+    for energy in (Softmax(), make_energy("stick")):
+        one, _ = flash_attention(q, k, v, **kw, energy=energy)
+        for decode in (tree_decode, ring_decode):
+            out = decode(q, k, v, mesh=mesh, kv_axis="kv", **kw, energy=energy)
+            np.testing.assert_allclose(out, one, rtol=1e-5, atol=2e-6, err_msg=decode.__name__)
+    with pytest.raises(BackendUnavailable, match="takes no segment ids"):
+        tree_decode(q, k, v, mesh=mesh, kv_axis="kv", **kw, backend="xla")
 
 
 def test_fused_kernels_refuse_rules(getkey):
@@ -427,10 +462,11 @@ PACKED = LlamaConfig(
 
 
 @pytest.mark.fast(backend="energy")
-@pytest.mark.parametrize("backend", ["energy", "flash", "reference"])
+@pytest.mark.parametrize("backend", ["energy", "flash", "reference", "tree"])
 def test_packed_row_equals_documents_alone(backend):
     """Each document of a packed row gets the logits it gets alone (rotary positions restart,
     no attention across documents), for a stacked and an unstacked model."""
+    backend = backend_of(backend)
     model = Transformer(PACKED, key=jax.random.key(0))
     lengths = (5, 9, 4)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, sum(lengths)))

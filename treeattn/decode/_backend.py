@@ -163,18 +163,12 @@ class AttentionBackend:
         one device, else [`tree_decode`][treeattn.decode.tree_decode] or
         [`ring_decode`][treeattn.decode.ring_decode] over the mesh (arguments as theirs;
         `shard_lengths` replaces `kv_length`, `q_offset` and `kv_positions` where every
-        query sees every filled key, and needs a mesh; segment ids need one device).
-        **Returns:** the output."""
+        query sees every filled key, and needs a mesh). **Returns:** the output."""
         kw: dict[str, Any] = dict(locals(), backend=self.kernel)
         for name in ("self", "q", "k", "v", "q_offset", "shard_lengths"):
             del kw[name]
         if q_segment_ids is None and kv_segment_ids is None:
             del kw["q_segment_ids"], kw["kv_segment_ids"]
-        elif self.mesh is not None:
-            raise ValueError(
-                f"AttentionBackend.attend: segment ids (packed sequences) run on one device; "
-                f"this backend shards the keys over a mesh ({self.schedule})"
-            )
         if self.mesh is None:
             if shard_lengths is not None:
                 raise ValueError(

@@ -232,6 +232,7 @@ def energy_sharded(
     lengths,
     positions,
     mask,
+    masking=None,
     *,
     scale,
     reduction,
@@ -246,12 +247,15 @@ def energy_sharded(
     row_dims = _row_dims(dims)
     ordered = not energy.monoid.commutative
 
-    def local(q, k, v, offsets, lengths, positions, mask, bias):
+    def local(q, k, v, offsets, lengths, positions, mask, bias, masking=None):
         del bias
         me = plan.local_shard()
         start = me * n
+        per_row, rebuild = _row_rules(masking, dims.batch)
 
-        def row(q, k, v, offset, length, pos, m):
+        def row(q, k, v, offset, length, pos, m, q_seg, kv_seg, prefix, index):
+            rules = rebuild(q_seg, kv_seg, prefix, index)
+            by_rules = {} if rules is None else {"batch": rules[0], "masking": rules[1]}
             if plan.per_shard:  # this shard's filled slots; every query sees each of them
                 pos = start + jnp.arange(n, dtype=jnp.int32)
                 vis = visibility(row_dims, kv_length=length[me], mask=m)
@@ -259,7 +263,9 @@ def energy_sharded(
                 if pos is None:
                     pos = start + jnp.arange(n, dtype=jnp.int32)
                 elif plan.devices == 1 and ordered:
-                    k, v, pos, m, _ = _position_order(dims, k, v, pos, m)
+                    k, v, pos, m, kv_seg = _position_order(dims, k, v, pos, m, kv_seg)
+                    if rules is not None:
+                        by_rules["masking"] = rules[1].keys(kv_seg)
                 vis = visibility(
                     row_dims,
                     causal=plan.causal,
@@ -268,14 +274,18 @@ def energy_sharded(
                     kv_length=length,
                     mask=m,
                     window=plan.window,
+                    **by_rules,
                 )
             kw = {"kv_total": kv_total, "visible": vis, "scale": scale, "rank": start}
             kw |= {"axis_name": plan.axis_name, "reduction": reduction, "schedule": schedule}
             kw |= {"kv_layout": dims.layout, "kv_finite": plan.kv_finite}
             return energy_partial(q, k, v, energy=energy, kv_positions=pos, q_offset=offset, **kw)
 
-        out, _ = jax.vmap(row)(q, k, v, offsets, lengths, positions, mask)
+        out, _ = jax.vmap(row)(q, k, v, offsets, lengths, positions, mask, *per_row)
         return out.astype(q.dtype)
 
     with jax.named_scope(f"{schedule}_decode_energy"):
-        return plan.shard_map(local)(q, k, v, offsets, lengths, positions, mask, None)
+        args = (q, k, v, offsets, lengths, positions, mask, None)
+        if masking is None:
+            return plan.shard_map(local)(*args)
+        return plan.shard_map(local, masking)(*args, masking)

@@ -7,12 +7,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from .._numerics import Dims, Layout, Window, default_scale
+from .._numerics import (
+    MASKING_ARGUMENTS,
+    Dims,
+    Layout,
+    Masking,
+    Window,
+    check_masking,
+    default_scale,
+)
 from .._partials import AxisName, Reduction, check_reduction
 from .._sharding import SequenceSharding
 from ..energy import Energy, is_plain_softmax
@@ -47,14 +56,19 @@ class DecodePlan:
     def devices(self) -> int:
         return self.sharding.devices
 
-    def shard_map(self, local):
+    def shard_map(self, local, masking: Masking | None = None):
         """`shard_map` over the cache: q, offsets, lengths replicated; K, V (and the key
-        positions, mask and bias) sharded along the sequence."""
+        positions, mask and bias) sharded along the sequence; with `masking` (a ninth
+        argument), its key segment ids `[batch, kv_seq]` sharded too, the rest replicated."""
         kv = self.sharding.spec(4, 1 + self.dims.seq_axis)
         pos = self.sharding.spec(2, 1) if self.positional else None
         mask = self.sharding.spec(4, 3) if self.has_mask else None
         bias = self.sharding.spec(4, 3) if self.has_bias else None
-        return self.sharding.shard_map(local, (P(), kv, kv, P(), P(), pos, mask, bias), P())
+        specs: tuple = (P(), kv, kv, P(), P(), pos, mask, bias)
+        if masking is not None:
+            segments = None if masking.kv_segments is None else self.sharding.spec(2, 1)
+            specs += (jax.tree.map(lambda _: P(), masking.keys(None)).keys(segments),)
+        return self.sharding.shard_map(local, specs, P())
 
     def local_view(self, q_offset: Array, kv_length: Array, shard: Array | int):
         """(q_offset, kv_length) of shard `shard` relative to its first key; unchanged when the
@@ -105,6 +119,7 @@ def plan_decode(
     shard_lengths=None,
     energy: Energy,
     kv_finite: bool = False,
+    has_masking: bool = False,
 ):
     """Check the arguments, pad the cache (and the mask and bias) to a multiple of the device
     count if it must, and plan the call. Returns `(plan, q, k, v, q_offset[batch],
@@ -112,13 +127,20 @@ def plan_decode(
     `[batch, devices]` and the call is planned without causality (every query sees every
     filled key). Another energy than softmax is planned on the `"energy"` kernel, whose
     monoid states merge across the devices; what that cannot take is refused here."""
-    dims, window, mask, bias = check_call(**locals())
+    given = dict(locals())
+    del given["has_masking"]
+    dims, window, mask, bias = check_call(**given)
     sharding = SequenceSharding.create(fn, mesh, kv_axis)
     if reduction is not None:
         check_reduction(fn, reduction, sharding.axis_name)
     _check_energy_schedule(fn, energy, sharding.devices, kv_positions, shard_lengths)
-    extra = {"energy": energy, "kv_finite": bool(kv_finite)}
+    extra = {"energy": energy, "kv_finite": bool(kv_finite), "has_masking": has_masking}
     if shard_lengths is not None:
+        if has_masking:
+            raise ValueError(
+                f"{fn}: segment ids, prefix_length, chunk_size and mask_mod need the keys' "
+                "positions and shard_lengths gives none; pass kv_positions and kv_length"
+            )
         if window is not None:
             raise ValueError(
                 f"{fn}: local_window_size needs the keys' positions and shard_lengths gives "
@@ -188,6 +210,7 @@ def _plan(
     per_shard=False,
     energy: Energy,
     kv_finite: bool = False,
+    has_masking: bool = False,
 ) -> DecodePlan:
     """The plan of one shard's call (`local` its sizes), its kernel resolved per platform."""
     call = kernel_call(
@@ -201,13 +224,15 @@ def _plan(
         has_mask=mask is not None,
         has_bias=bias is not None,
         energy=energy,
+        has_masking=has_masking,
     )
     choice = resolve(fn, backend, call)
-    general = not is_plain_softmax(energy)
+    general = not is_plain_softmax(energy) or has_masking
     if general and {name for _, name in choice.kernels} != {"energy"}:
+        what = f"energy={name_of(energy)}" if has_masking is False else "masking rules"
         raise BackendUnavailable(
-            f"{fn}: backend={backend!r} cannot serve energy={name_of(energy)} across devices: "
-            "its monoid states merge on the 'energy' kernel (pass backend='auto' or 'energy')"
+            f"{fn}: backend={backend!r} cannot serve {what} across devices: they run on the "
+            "'energy' kernel, whose monoid states merge (pass backend='auto' or 'energy')"
         )
     return DecodePlan(
         sharding,
@@ -246,18 +271,25 @@ def _check_energy_schedule(fn, energy: Energy, devices: int, kv_positions, shard
 def run_sharded(fn: str, schedule: str, softmax, q, k, v, *, energy, reduction, **options):
     """`tree_decode` / `ring_decode` (`schedule`) of their arguments: the call planned, then
     softmax by `softmax(plan, q, k, v, offsets, lengths, positions, mask, bias, *, scale,
-    reduction)` (the schedule's local steps and merges), any other energy by its monoid's
-    schedule (`energy_sharded`)."""
+    reduction)` (the schedule's local steps and merges), any other energy (or a call with
+    masking rules) by its monoid's schedule (`energy_sharded`)."""
     energy = check_energy(fn, energy)
     k_seq_axis = 1 if options.get("kv_layout", "bshd") == "bshd" else 2
     kv_total = k.shape[k_seq_axis]
+    rules = {name: options.pop(name) for name in MASKING_ARGUMENTS}
+    batch = q.shape[0] if q.ndim == 4 else 1
+    masking = check_masking(fn, q_seq=q.shape[-3], kv_seq=kv_total, batch=batch, **rules)
     plan, q, k, v, offsets, lengths, positions, mask, bias = plan_decode(
-        fn, q, k, v, energy=energy, reduction=reduction, **options
+        fn, q, k, v, energy=energy, reduction=reduction, has_masking=masking is not None, **options
     )
     s = default_scale(plan.dims.qk, options.get("scale"))
     if plan.general:
+        padded = k.shape[k_seq_axis]
+        if masking is not None and masking.kv_segments is not None and padded > kv_total:
+            # Padding slots sit past every length: any segment id will do.
+            masking = masking.keys(plan.sharding.pad(masking.kv_segments, 1))
         kw = {"scale": s, "reduction": reduction or "allreduce", "kv_total": kv_total}
         args = (plan, energy, q, k, v, offsets, lengths, positions, mask)
-        return energy_sharded(*args, schedule=schedule, **kw)
+        return energy_sharded(*args, masking, schedule=schedule, **kw)
     args = (plan, q, k, v, offsets, lengths, positions, mask, bias)
     return softmax(*args, scale=s, reduction=reduction)

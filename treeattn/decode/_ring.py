@@ -8,7 +8,8 @@ last step each holds the full result. Exact, like tree decoding, but it moves wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax import lax
@@ -44,6 +45,11 @@ def ring_decode(
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
     energy: Energy | None = SOFTMAX,
     kv_finite: bool = False,
+    q_segment_ids: Int[Array, "#batch q_seq"] | None = None,
+    kv_segment_ids: Int[Array, "#batch kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""The Ring Attention baseline: same arguments and result as
     [`tree_decode`][treeattn.decode.tree_decode].

@@ -8,7 +8,8 @@ one packed `psum` of $(o\,e^{\mathrm{lse}-m}, e^{\mathrm{lse}-m})$, never $e^{\m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -43,6 +44,11 @@ def tree_decode(
     shard_lengths: Int[Array, " devices"] | Int[Array, "batch devices"] | None = None,
     energy: Energy | None = SOFTMAX,
     kv_finite: bool = False,
+    q_segment_ids: Int[Array, "#batch q_seq"] | None = None,
+    kv_segment_ids: Int[Array, "#batch kv_seq"] | None = None,
+    prefix_length: int | Int[Array, ""] | Int[Array, " batch"] | None = None,
+    chunk_size: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Float[Array, "batch q_seq heads dv"]:
     r"""Attention over a KV cache sharded along the sequence: the paper's Algorithm 3.
 
@@ -96,6 +102,10 @@ def tree_decode(
       the position order); `shard_lengths` (fill counts, no positions) refuses an ordered
       monoid and an energy whose logits read positions (`energy.reads_positions`).
     - `kv_finite`: as in `flash_attention` (every key and value is finite).
+    - `q_segment_ids`, `kv_segment_ids` (`kv_seq` the whole cache's, split with it),
+      `prefix_length`, `chunk_size`, `mask_mod`: as in `flash_attention`; such a call runs on
+      the `"energy"` kernel (each shard's visibility from the rules, the states merged by the
+      monoid's schedule). Not with `shard_lengths`.
 
     A cache length that does not divide the device count is padded (a copy per call): allocate
     caches in multiples of it.
