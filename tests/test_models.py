@@ -1,6 +1,7 @@
 """treeattn.models: layers, the Llama decoder, KV caches, every backend giving one answer."""
 
 import contextlib
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -369,3 +370,37 @@ def test_attention_backend_kernel_choice():
         AttentionBackend("tree")
     with pytest.raises(ValueError, match="backend must be one of"):
         AttentionBackend("flash", kernel="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.fast(stacked=True)
+@pytest.mark.parametrize("stacked", [True, False])
+def test_attention_inputs_reproduce_every_layer_attention(stacked, getkey):
+    """`attention_inputs` gives the heads each layer attends with: the free energy's gradient
+    over them, through the layer's output projection, is the layer's attention output (on the
+    reference backend), layer after layer; with q/k norms (Qwen3), biases and GQA."""
+    from treeattn.energy import energy_attention
+
+    config = dataclasses.replace(SMALL, qk_norm=True, attention_bias=True, num_hidden_layers=3)
+    model = Transformer(config, key=getkey())
+    # Every weight jittered, so that the norms (initialised to ones) are not the identity.
+    model = jax.tree.map(
+        lambda a: (
+            a * (1 + 0.3 * jax.random.normal(getkey(), a.shape)) if eqx.is_inexact_array(a) else a
+        ),
+        model,
+    )
+    if not stacked:
+        model = model.unstack_layers()
+    tokens = jax.random.randint(getkey(), (12,), 0, config.vocab_size)
+    q, k, v = eqx.filter_jit(model.attention_inputs)(tokens)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    assert q.shape == (3, 12, heads, dim) and k.shape == v.shape == (3, 12, kv_heads, dim)
+    x = jax.vmap(model.embed_tokens)(tokens)
+    for i in range(config.num_hidden_layers):
+        block = model.block(i)
+        h = block.input_layernorm(x)
+        expected = block.self_attn(h, h, h, backend="reference")
+        attn = energy_attention(q[i], k[i], v[i], causal=True).reshape(12, -1)
+        got = jax.vmap(block.self_attn.output_proj)(attn)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+        x, _ = block(x, None, AttentionBackend("reference"))

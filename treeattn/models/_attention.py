@@ -200,6 +200,43 @@ class MultiheadAttention(eqx.Module):
             ys = tuple(apply_linear(p, x) for p, x in zip(projs, (query, key_, value), strict=True))
         return tuple(y.reshape(y.shape[0], h, -1) for y, h in zip(ys, heads, strict=True))
 
+    def _heads(self, query, key_, value, *, process_heads=None, cache=None, segment_ids=None):
+        """The heads attention reads, as every call makes them: projected, in one dtype, through
+        the q/k norms and `process_heads`, rotated at their absolute positions. Also returns
+        that dtype, the queries' offset and the documents of a packed row (`[1, seq]`, or
+        None). The one place a call forms its heads (`Transformer.attention_inputs` too)."""
+        q_seq, kv_seq = query.shape[0], key_.shape[0]
+        q, k, v = self._project(query, key_, value)
+        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
+        with jax.numpy_dtype_promotion("standard"):
+            heads_dtype = jnp.result_type(q, k, v)
+        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
+        if self.query_norm is not None and self.key_norm is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
+        if process_heads is not None:
+            shapes = (q.shape, k.shape, v.shape)
+            q, k, v = process_heads(q, k, v)
+            if (q.shape, k.shape, v.shape) != shapes:
+                raise ValueError("process_heads must not change the shape of the heads.")
+        # Absolute positions: after a cache of n tokens the new ones are n, n+1, ...; without a
+        # cache the queries are the last q_seq positions of the key sequence (bottom-right).
+        if cache is None:
+            k_pos = jnp.arange(kv_seq, dtype=jnp.int32)
+            q_offset = kv_seq - q_seq
+        else:
+            q_offset = jnp.asarray(cache.length)
+            k_pos = q_offset + jnp.arange(kv_seq, dtype=jnp.int32)
+        q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
+        packed = None  # the documents of a packed row, [1, seq]
+        if segment_ids is not None:
+            segment_ids = _check_segment_ids(segment_ids, q_seq, kv_seq, cache)
+            k_pos = q_pos = positions_in_segments(segment_ids)
+            packed = segment_ids[None]
+        if self.rotary is not None:
+            q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
+        return q, k, v, heads_dtype, q_offset, packed
+
     @jax.named_scope("treeattn.models.MultiheadAttention")
     def __call__(
         self,
@@ -240,35 +277,9 @@ class MultiheadAttention(eqx.Module):
             raise ValueError("key and value must both be sequences of equal length.")
         check_layer_mask(mask, q_seq, kv_seq, self.num_heads)
         be = self.backend if backend is None else AttentionBackend.of(backend)
-        q, k, v = self._project(query, key_, value)
-        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
-        with jax.numpy_dtype_promotion("standard"):
-            heads_dtype = jnp.result_type(q, k, v)
-        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
-        if self.query_norm is not None and self.key_norm is not None:
-            with jax.numpy_dtype_promotion("standard"):
-                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
-        if process_heads is not None:
-            shapes = (q.shape, k.shape, v.shape)
-            q, k, v = process_heads(q, k, v)
-            if (q.shape, k.shape, v.shape) != shapes:
-                raise ValueError("process_heads must not change the shape of the heads.")
-        # Absolute positions: after a cache of n tokens the new ones are n, n+1, ...; without a
-        # cache the queries are the last q_seq positions of the key sequence (bottom-right).
-        if cache is None:
-            k_pos = jnp.arange(kv_seq, dtype=jnp.int32)
-            q_offset = kv_seq - q_seq
-        else:
-            q_offset = jnp.asarray(cache.length)
-            k_pos = q_offset + jnp.arange(kv_seq, dtype=jnp.int32)
-        q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
-        packed = None  # the documents of a packed row, [1, seq]
-        if segment_ids is not None:
-            segment_ids = _check_segment_ids(segment_ids, q_seq, kv_seq, cache)
-            k_pos = q_pos = positions_in_segments(segment_ids)
-            packed = segment_ids[None]
-        if self.rotary is not None:
-            q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
+        q, k, v, heads_dtype, q_offset, packed = self._heads(
+            query, key_, value, process_heads=process_heads, cache=cache, segment_ids=segment_ids
+        )
         # Equinox's rule: dropout is off in inference and for a Python rate of 0; a rate held
         # as an array (possibly traced) is applied as it is.
         p = self.dropout.p

@@ -83,6 +83,12 @@ class DecoderBlock(eqx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_cache
 
+    def _attention_inputs(self, x, segment_ids=None) -> tuple[Array, Array, Array]:
+        """The heads `(q, k, v)` that `self(x, None, ...)` attends with."""
+        h = self.input_layernorm(x)
+        q, k, v, *_ = self.self_attn._heads(h, h, h, segment_ids=segment_ids)
+        return q, k, v
+
 
 class Transformer(eqx.Module):
     """A Llama-family decoder-only language model (Llama, Mistral, Qwen2/Qwen2.5, Qwen3:
@@ -319,6 +325,58 @@ class Transformer(eqx.Module):
             overflow = jnp.max(cache.length) + seq > cache.max_len
             logits = jnp.where(overflow, jnp.asarray(jnp.nan, logits.dtype), logits)
         return logits, on_host(new_cache, length)
+
+    def attention_inputs(
+        self, tokens: Int[Array, " seq"], *, segment_ids: Int[Array, " seq"] | None = None
+    ) -> tuple[
+        Float[Array, "layers seq heads qk"],
+        Float[Array, "layers seq kv_heads qk"],
+        Float[Array, "layers seq kv_heads vo"],
+    ]:
+        """The queries, keys and values every layer's attention reads in `self(tokens)`
+        (without a cache): after the projections, the q/k norms and the rotary embedding at
+        each token's position, as the layer forms them (the same code).
+
+        They are for inspecting attention with `treeattn.energy`: layer `i`'s attention is
+        `energy_attention(q[i], k[i], v[i], causal=True)` (with the layer's
+        `local_window_size` and `energy`, and `segment_ids` as `q_segment_ids` and
+        `kv_segment_ids` when given), and its output projection
+        `block(i).self_attn.output_proj` of that, reshaped to `[seq, heads * vo]`, is the
+        block's attention output. So `attention_entropy(q[i], k[i], v[i], causal=True)` and
+        `received_attention(...)` read the model's own attention maps.
+
+        **Returns:** `(q, k, v)`, each with a leading layer axis; `k` and `v` per key/value
+        head (GQA).
+
+        ```python
+        q, k, v = eqx.filter_jit(model.attention_inputs)(tokens)
+        h = energy.attention_entropy(q[3], k[3], v[3], causal=True)   # [seq, heads]
+        ```
+        """
+        check_token_type("Transformer", tokens, self.config.vocab_size, ndim=1)
+        check_token_ids("Transformer", tokens, self.config.vocab_size)
+
+        def layer(x, block: DecoderBlock):
+            heads = block._attention_inputs(x, segment_ids)
+            x, _ = block(x, None, None, segment_ids)
+            return x, heads
+
+        x = jax.vmap(self.embed_tokens)(tokens)
+        if isinstance(self.layers, tuple):
+            per_layer = []
+            for block in self.layers:
+                x, qkv = layer(x, block)
+                per_layer.append(qkv)
+            q, k, v = (jnp.stack(a) for a in zip(*per_layer, strict=True))
+            return q, k, v
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        _, heads = jax.lax.scan(
+            lambda x, params: layer(x, eqx.combine(params, static)),
+            x,
+            dynamic,
+            unroll=min(4, self.config.num_hidden_layers),
+        )
+        return heads
 
     # -----------------------------------------------------------------------------------------
     # Hugging Face checkpoints (safetensors; no torch needed)
