@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from .._numerics import (
     Dims,
@@ -152,13 +153,30 @@ def blockwise_terms(cfg: Blocks, energy, q, ks, vs, zeta, marks, rules, q_offset
     return _forward(cfg, energy, q, ks, vs, zeta, marks, rules, q_offset)[0]
 
 
+def _unwrap(tree):
+    """A primal of the custom VJP (with symbolic zeros) as its value, and whether any of its
+    leaves is differentiated."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+    value = jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+    return value, any(p.perturbed for p in leaves)
+
+
 def _fwd(cfg, energy, q, ks, vs, zeta, marks, rules, q_offset):
+    (energy, w_e), (q, w_q), (ks, w_k), (vs, w_v), (zeta, w_z) = map(
+        _unwrap, (energy, q, ks, vs, zeta)
+    )
+    marks, rules, q_offset = (_unwrap(x)[0] for x in (marks, rules, q_offset))
     f, (merged, states) = _forward(cfg, energy, q, ks, vs, zeta, marks, rules, q_offset)
-    return f, (energy, q, ks, vs, zeta, marks, rules, q_offset, merged, states)
+    # Which of (energy, q, k, v, zeta) are differentiated (Python bools, fixed at trace time):
+    # the backward computes only their cotangents (e.g. the energy's alone, for diagnostics).
+    wanted = (w_e, w_q, w_k, w_v, w_z)
+    return f, (energy, q, ks, vs, zeta, marks, rules, q_offset, merged, states, wanted)
 
 
 def _bwd(cfg, res, ct):
-    energy, q, ks, vs, zeta, marks, rules, q_offset, merged, states = res
+    energy, q, ks, vs, zeta, marks, rules, q_offset, merged, states, wanted = res
+    if isinstance(ct, SymbolicZero):  # F [q_seq, heads] not used: its cotangent is 0
+        ct = jnp.zeros((cfg.dims.q_seq, cfg.dims.heads), compute_dtype(q.dtype))
     monoid = energy.monoid
     ctx = _context(cfg, q_offset)
     _, pull_readout = jax.vjp(lambda e, m: readout(e, m, ctx), energy, merged)
@@ -166,29 +184,42 @@ def _bwd(cfg, res, ct):
     _, pull_fold = jax.vjp(functools.partial(_fold, monoid), states)
     (d_states,) = pull_fold(d_merged)
 
+    def only_wanted(values):
+        return tuple(x if w else None for x, w in zip(values, wanted, strict=True))
+
     def step(carry, xs):
         k_b, v_b, mark_b, b, d_s = xs
         vis = _tile_visibility(cfg, mark_b, rules, q_offset, b)
 
         def body(k_b, v_b, vis, d_s):
-            def block(e, q, k_b, v_b, z):
-                return _block_state(cfg, e, q, k_b, v_b, z, vis, q_offset, b)
+            primals = (energy, q, k_b, v_b, zeta)
 
-            return jax.vjp(block, energy, q, k_b, v_b, zeta)[1](d_s)
+            def block(*diff):
+                it = iter(diff)
+                e, q_, k_, v_, z = (
+                    next(it) if w else x for x, w in zip(primals, wanted, strict=True)
+                )
+                return _block_state(cfg, e, q_, k_, v_, z, vis, q_offset, b)
+
+            diff = [x for x, w in zip(primals, wanted, strict=True) if w]
+            cts = iter(jax.vjp(block, *diff)[1](d_s))
+            return tuple(next(cts) if w else None for w in wanted)
 
         def skipped(k_b, v_b, *_):
-            return _zeros_like_tree((d_energy, q, k_b, v_b, zeta))
+            return only_wanted(_zeros_like_tree((d_energy, q, k_b, v_b, zeta)))
 
         seen = _seen(cfg, vis, mark_b, rules)
         d_e, d_q, d_k, d_v, d_z = _when_seen(seen, body, skipped, k_b, v_b, vis, d_s)
         carry = jax.tree.map(jnp.add, carry, (d_e, d_q, d_z))
         return carry, (d_k, d_v)
 
-    zeros = jax.tree.map(jnp.zeros_like, (d_energy, q, zeta))
+    w_e, w_q, _, _, w_z = wanted
+    zeros = jax.tree.map(jnp.zeros_like, (d_energy if w_e else None, q if w_q else None))
+    zeros += (jnp.zeros_like(zeta) if w_z else None,)
     xs = (ks, vs, marks, jnp.arange(cfg.blocks), d_states)
     (d_e, d_q, d_z), (d_ks, d_vs) = lax.scan(jax.checkpoint(step), zeros, xs)
-    d_energy = jax.tree.map(jnp.add, d_energy, d_e)
-    return d_energy, d_q, d_ks, d_vs, d_z, *_no_cotangent((marks, rules, q_offset))
+    d_energy = jax.tree.map(jnp.add, d_energy, d_e) if w_e else None
+    return d_energy, d_q, d_ks, d_vs, d_z, None, None, None
 
 
 def _no_cotangent(tree):
@@ -203,7 +234,7 @@ def _no_cotangent(tree):
     return jax.tree.map(zero, tree)
 
 
-blockwise_terms.defvjp(_fwd, _bwd)
+blockwise_terms.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def _rules(masking: Masking | None) -> Masking | None:
