@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._numerics import Dims, Window, check_window, visibility
 from ..decode import AttentionBackend, AttentionName, cache_layout
-from ..energy import Energy, LinearKernel, Softmax
+from ..energy import Energy, LinearKernel, Softmax, received_attention
 from ._cache import Cache, KVCache, LinearCache
 from ._layers import RMSNorm, RotaryEmbedding, apply_linear, apply_linears
 
@@ -200,6 +200,44 @@ class MultiheadAttention(eqx.Module):
             ys = tuple(apply_linear(p, x) for p, x in zip(projs, (query, key_, value), strict=True))
         return tuple(y.reshape(y.shape[0], h, -1) for y, h in zip(ys, heads, strict=True))
 
+    def _heads(self, query, key_, value, process_heads=None):
+        """The query, key and value heads before the rotary embedding, projected, normed
+        (Qwen3) and passed through `process_heads`; and the one dtype they were cast to."""
+        q, k, v = self._project(query, key_, value)
+        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
+        with jax.numpy_dtype_promotion("standard"):
+            heads_dtype = jnp.result_type(q, k, v)
+        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
+        if self.query_norm is not None and self.key_norm is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
+        if process_heads is not None:
+            shapes = (q.shape, k.shape, v.shape)
+            q, k, v = process_heads(q, k, v)
+            if (q.shape, k.shape, v.shape) != shapes:
+                raise ValueError("process_heads must not change the shape of the heads.")
+        return q, k, v, heads_dtype
+
+    def received_attention(self, x: Float[Array, "seq size"]) -> Float[Array, "seq kv_heads"]:
+        r"""The attention each token of self-attention over `x` (no cache, positions
+        $0, 1, \dots$) receives from every query, summed over the query heads of each kv head:
+        H2O's heavy-hitter score, as [`received_attention`][treeattn.energy.received_attention]
+        computes it (the gradient of $\sum F$ in a per-key bias) with the layer's causality,
+        window and energy. **Returns:** `[seq, num_kv_heads]`, float32."""
+        q, k, v, _ = self._heads(x, x, x)
+        if self.rotary is not None:
+            pos = jnp.arange(x.shape[0], dtype=jnp.int32)
+            q, k = self.rotary(q, pos), self.rotary(k, pos)
+        r = received_attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            local_window_size=self.local_window_size,
+            energy=SOFTMAX if self.energy is None else self.energy,
+        )
+        return r.reshape(x.shape[0], self.num_kv_heads, -1).sum(-1)
+
     @jax.named_scope("treeattn.models.MultiheadAttention")
     def __call__(
         self,
@@ -240,26 +278,14 @@ class MultiheadAttention(eqx.Module):
             raise ValueError("key and value must both be sequences of equal length.")
         check_layer_mask(mask, q_seq, kv_seq, self.num_heads)
         be = self.backend if backend is None else AttentionBackend.of(backend)
-        q, k, v = self._project(query, key_, value)
-        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
-        with jax.numpy_dtype_promotion("standard"):
-            heads_dtype = jnp.result_type(q, k, v)
-        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
-        if self.query_norm is not None and self.key_norm is not None:
-            with jax.numpy_dtype_promotion("standard"):
-                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
-        if process_heads is not None:
-            shapes = (q.shape, k.shape, v.shape)
-            q, k, v = process_heads(q, k, v)
-            if (q.shape, k.shape, v.shape) != shapes:
-                raise ValueError("process_heads must not change the shape of the heads.")
+        q, k, v, heads_dtype = self._heads(query, key_, value, process_heads)
         # Absolute positions: after a cache of n tokens the new ones are n, n+1, ...; without a
         # cache the queries are the last q_seq positions of the key sequence (bottom-right).
         if cache is None:
             k_pos = jnp.arange(kv_seq, dtype=jnp.int32)
             q_offset = kv_seq - q_seq
         else:
-            q_offset = jnp.asarray(cache.length)
+            q_offset = jnp.asarray(cache.next_position)  # after an eviction, > length
             k_pos = q_offset + jnp.arange(kv_seq, dtype=jnp.int32)
         q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
         packed = None  # the documents of a packed row, [1, seq]
@@ -323,7 +349,9 @@ class MultiheadAttention(eqx.Module):
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
             all_seen = (q_seq == 1 or not self.causal) and window is None
-            keys = new_cache.keys(be, all_seen=all_seen, energy=energy)
+            keys = new_cache.keys(
+                be, all_seen=all_seen, energy=energy, windowed=window is not None
+            )
             # A cache's slots hold zeros until written, and the model writes finite keys and
             # values: the energy kernel reads it without a pass over non-finite slots.
             attn = be.attend(
