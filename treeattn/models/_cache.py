@@ -310,7 +310,9 @@ class KVCache(eqx.Module):
                     "per_head=False"
                 )
             pos = jnp.max(pos, axis=0)
-        return {"kv_length": self.length, "kv_positions": pos}
+        # With positions, `kv_length` bounds the positions (filled: `pos < kv_length`); the
+        # slots not yet written hold positions from `next_position` on.
+        return {"kv_length": self.next_position, "kv_positions": pos}
 
     def evict(
         self,
