@@ -136,7 +136,9 @@ def test_keep_all_is_a_no_op(model, layout):
     evicted = cache.evict(attention_scores(model, prompt), keep=PROMPT)
     assert int(evicted.length) == PROMPT and int(evicted.dropped) == 0
     for i in range(CONFIG.num_hidden_layers):
-        np.testing.assert_array_equal(evicted.layer(i).slot_positions[:, :PROMPT], [np.arange(PROMPT)] * 2)
+        np.testing.assert_array_equal(
+            evicted.layer(i).slot_positions[:, :PROMPT], [np.arange(PROMPT)] * 2
+        )
     token = jnp.int32(5)
     expected, _ = decode_step(model, token, before)
     got, _ = decode_step(model, token, evicted)
@@ -219,7 +221,9 @@ def test_sliding_window_evicts_per_layer(model):
     def choose(held):
         return h2o_choice(scores, held, 6, 2, per_head=False)
 
-    reference = masked_logits(windowed, tokens, visibility(len(tokens), {PROMPT: choose}, window=10))
+    reference = masked_logits(
+        windowed, tokens, visibility(len(tokens), {PROMPT: choose}, window=10)
+    )
     logits, cache = decode_step(windowed, later[0], cache)
     close(logits, reference[PROMPT])
     logits, cache = prefill(windowed, later[1:], cache)

@@ -349,9 +349,7 @@ class MultiheadAttention(eqx.Module):
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
             all_seen = (q_seq == 1 or not self.causal) and window is None
-            keys = new_cache.keys(
-                be, all_seen=all_seen, energy=energy, windowed=window is not None
-            )
+            keys = new_cache.keys(be, all_seen=all_seen, energy=energy, windowed=window is not None)
             # A cache's slots hold zeros until written, and the model writes finite keys and
             # values: the energy kernel reads it without a pass over non-finite slots.
             attn = be.attend(

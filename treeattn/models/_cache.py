@@ -76,9 +76,12 @@ class KVCache(eqx.Module):
     k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, ...], ...]
     v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, ...], ...]
     length: Int[Array, "*batch"] | Int[np.ndarray, "*batch"]
-    slot_positions: Int[Array, "*batch max_len"] | Int[Array, "*batch kv_heads max_len"] | tuple[
-        Int[Array, ...], ...
-    ] | None = None
+    slot_positions: (
+        Int[Array, "*batch max_len"]
+        | Int[Array, "*batch kv_heads max_len"]
+        | tuple[Int[Array, ...], ...]
+        | None
+    ) = None
     """After an eviction: each slot's token position, per layer (a tuple in a model's
     cache), `[*batch, max_len]`, or `[*batch, kv_heads, max_len]` when each kv head kept its
     own keys. None: slot `a` holds position `a` (see `positions()`)."""
@@ -316,7 +319,8 @@ class KVCache(eqx.Module):
 
     def evict(
         self,
-        scores: Float[Array, "*batch layers slots kv_heads"] | Float[Array, "*batch slots kv_heads"],
+        scores: Float[Array, "*batch layers slots kv_heads"]
+        | Float[Array, "*batch slots kv_heads"],
         keep: int,
         *,
         recent: int = 0,
@@ -386,7 +390,11 @@ class KVCache(eqx.Module):
         kept = min(int(np.max(length)), keep + recent)
         width = kept  # slots rewritten per row (a row holding fewer keeps its own length)
         one = functools.partial(
-            _evict_layer, keep=keep, recent=recent, width=width, per_head=per_head,
+            _evict_layer,
+            keep=keep,
+            recent=recent,
+            width=width,
+            per_head=per_head,
             layout=self.layout,
         )
         ks = self.k if isinstance(self.k, tuple) else (self.k,)
@@ -400,7 +408,9 @@ class KVCache(eqx.Module):
         for i, (k, v, p) in enumerate(zip(ks, vs, poss, strict=True)):
             s = per_layer[..., i, :, :]
             if p is None:
-                p = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), (*batch, self.max_len))
+                p = jnp.broadcast_to(
+                    jnp.arange(self.max_len, dtype=jnp.int32), (*batch, self.max_len)
+                )
             run = one
             for _ in batch:
                 run = jax.vmap(run)

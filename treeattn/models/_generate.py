@@ -241,7 +241,7 @@ class Decoder:
     def reset(self) -> None:
         """Forget every token: the cache is empty again (its buffers are reused)."""
         rows = () if self.batch is None else (self.batch,)
-        empty = dict(length=np.zeros(rows, np.int32))
+        empty: dict[str, Any] = dict(length=np.zeros(rows, np.int32))
         if isinstance(self.cache, KVCache):
             empty.update(slot_positions=None, dropped=None)  # undo an eviction
         self._set(dataclasses.replace(self.cache, **empty))
