@@ -6,6 +6,7 @@ from ..decode import AttentionBackend as AttentionBackend
 from ._attention import MultiheadAttention as MultiheadAttention
 from ._cache import KVCache as KVCache, LinearCache as LinearCache
 from ._config import LlamaConfig as LlamaConfig
+from ._eviction import attention_scores as attention_scores
 from ._generate import (
     Decoder as Decoder,
     decode_step as decode_step,

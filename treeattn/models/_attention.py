@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._numerics import Dims, Window, check_window, visibility
 from ..decode import AttentionBackend, AttentionName, cache_layout
-from ..energy import Energy, LinearKernel, Softmax
+from ..energy import Energy, LinearKernel, Softmax, received_attention
 from ._cache import Cache, KVCache, LinearCache
 from ._layers import RMSNorm, RotaryEmbedding, apply_linear, apply_linears
 
@@ -225,7 +225,7 @@ class MultiheadAttention(eqx.Module):
             k_pos = jnp.arange(kv_seq, dtype=jnp.int32)
             q_offset = kv_seq - q_seq
         else:
-            q_offset = jnp.asarray(cache.length)
+            q_offset = jnp.asarray(cache.next_position)  # after an eviction, > length
             k_pos = q_offset + jnp.arange(kv_seq, dtype=jnp.int32)
         q_pos = q_offset + jnp.arange(q_seq, dtype=jnp.int32)
         packed = None  # the documents of a packed row, [1, seq]
@@ -236,6 +236,23 @@ class MultiheadAttention(eqx.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
         return q, k, v, heads_dtype, q_offset, packed
+
+    def received_attention(self, x: Float[Array, "seq size"]) -> Float[Array, "seq kv_heads"]:
+        r"""The attention each token of self-attention over `x` (no cache, positions
+        $0, 1, \dots$) receives from every query, summed over the query heads of each kv head:
+        H2O's heavy-hitter score, as [`received_attention`][treeattn.energy.received_attention]
+        computes it (the gradient of $\sum F$ in a per-key bias) with the layer's causality,
+        window and energy. **Returns:** `[seq, num_kv_heads]`, float32."""
+        q, k, v, *_ = self._heads(x, x, x)
+        r = received_attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            local_window_size=self.local_window_size,
+            energy=SOFTMAX if self.energy is None else self.energy,
+        )
+        return r.reshape(x.shape[0], self.num_kv_heads, -1).sum(-1)
 
     @jax.named_scope("treeattn.models.MultiheadAttention")
     def __call__(
@@ -334,7 +351,7 @@ class MultiheadAttention(eqx.Module):
             assert not isinstance(new_cache.k, tuple) and not isinstance(new_cache.v, tuple)
             q = q.astype(new_cache.k.dtype)  # a cache may be kept in another dtype
             all_seen = (q_seq == 1 or not self.causal) and window is None
-            keys = new_cache.keys(be, all_seen=all_seen, energy=energy)
+            keys = new_cache.keys(be, all_seen=all_seen, energy=energy, windowed=window is not None)
             # A cache's slots hold zeros until written, and the model writes finite keys and
             # values: the energy kernel reads it without a pass over non-finite slots.
             attn = be.attend(

@@ -5,6 +5,7 @@ optionally sharded round-robin over devices; and the linear-attention cache, one
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -58,11 +59,34 @@ class KVCache(eqx.Module):
     cache cannot: an error raised on one device would leave the others waiting in a
     collective. There the overflowing tokens are not written, `length` still counts them
     (`length > max_len` flags the overflow) and `Transformer` returns NaN logits.
+
+    **Eviction.** `evict(scores, keep=..., recent=...)` drops the keys that received the
+    least attention (H2O) and compacts the kept ones into the first slots, in position order.
+    `length` then counts the filled slots (what `append`, the overflow checks and `kv_length`
+    read) and `dropped` the tokens evicted, so the next token sits at position
+    `next_position = length + dropped`; `slot_positions` records the true position of every
+    slot (per layer, and per kv head when each head kept its own keys), the slots not yet
+    written holding `slot + dropped`, so an append writes no position. Rotary was applied to
+    the cached keys at their true positions and attention is told the slots' positions
+    (`keys()`), so attention over an evicted cache is attention over the kept keys at their
+    true positions. A cache never evicted has `slot_positions = dropped = None`: no leaf, no
+    work in a decode step.
     """
 
     k: Float[Array, "*batch kv_heads max_len qk"] | tuple[Float[Array, ...], ...]
     v: Float[Array, "*batch kv_heads max_len vo"] | tuple[Float[Array, ...], ...]
     length: Int[Array, "*batch"] | Int[np.ndarray, "*batch"]
+    slot_positions: (
+        Int[Array, "*batch max_len"]
+        | Int[Array, "*batch kv_heads max_len"]
+        | tuple[Int[Array, ...], ...]
+        | None
+    ) = None
+    """After an eviction: each slot's token position, per layer (a tuple in a model's
+    cache), `[*batch, max_len]`, or `[*batch, kv_heads, max_len]` when each kv head kept its
+    own keys. None: slot `a` holds position `a` (see `positions()`)."""
+    dropped: Int[Array, "*batch"] | None = None
+    """After an eviction: the tokens evicted so far (None: none)."""
     sharding: SequenceSharding | None = eqx.field(static=True, default=None)
     block: int = eqx.field(static=True, default=1)
     layout: Layout = eqx.field(static=True, default="bhsd")
@@ -168,11 +192,18 @@ class KVCache(eqx.Module):
     def dtype(self):
         return self._first().dtype
 
+    @property
+    def next_position(self) -> Int[Array, "*batch"] | Int[np.ndarray, "*batch"]:
+        """The position of the next token: `length`, plus the tokens evicted (`dropped`)."""
+        return self.length if self.dropped is None else self.length + self.dropped
+
     def layer(self, i: int) -> KVCache:
         """Layer `i` of a model's cache: its own buffers (not a copy) and the shared length."""
         if not isinstance(self.k, tuple) or not isinstance(self.v, tuple):
             raise ValueError("KVCache.layer: this is one layer's cache (created without layers=)")
-        return dataclasses.replace(self, k=self.k[i], v=self.v[i])
+        pos = self.slot_positions
+        pos = pos[i] if isinstance(pos, tuple) else pos
+        return dataclasses.replace(self, k=self.k[i], v=self.v[i], slot_positions=pos)
 
     def with_layers(self, layers: Sequence[KVCache]) -> KVCache:
         """A model's cache from its updated layers (each advanced by the same tokens)."""
@@ -182,7 +213,10 @@ class KVCache(eqx.Module):
             )
         k = tuple(c.k for c in layers)
         v = tuple(c.v for c in layers)
-        return dataclasses.replace(self, k=k, v=v, length=layers[-1].length, checked=False)
+        pos = None if self.slot_positions is None else tuple(c.slot_positions for c in layers)
+        return dataclasses.replace(
+            self, k=k, v=v, length=layers[-1].length, slot_positions=pos, checked=False
+        )
 
     def check(self, n: int) -> KVCache:
         """The cache with its next append of `n` tokens checked once, for every layer: on one
@@ -202,7 +236,8 @@ class KVCache(eqx.Module):
         return ((positions // b) % p) * shard + (positions // (b * p)) * b + positions % b
 
     def positions(self) -> np.ndarray:
-        """The token position held by each slot, `[max_len]` (a constant)."""
+        """The token position held by each slot, `[max_len]` (a constant), in a cache never
+        evicted (after an eviction they are `slot_positions`)."""
         s = np.arange(self.max_len)
         if self.devices == 1:
             return s
@@ -223,9 +258,19 @@ class KVCache(eqx.Module):
         rounds, rest = n // (b * p), n % (b * p)
         return (rounds * b + jnp.clip(rest - shard * b, 0, b)).astype(jnp.int32)
 
-    def keys(self, backend: AttentionBackend, *, all_seen: bool, energy: Energy) -> dict:
+    def keys(
+        self, backend: AttentionBackend, *, all_seen: bool, energy: Energy, windowed: bool = False
+    ) -> dict:
         """How `backend` is told which token each slot holds: the arguments of
         `AttentionBackend.attend` that describe this cache.
+
+        An evicted cache (one layer's, unbatched): where every query sees every filled key
+        and the energy reads no position, the filled `kv_length` (the slots are in position
+        order); otherwise also `slot_positions` as `kv_positions`, the round-robin cache's
+        path. A cache whose kv heads kept different keys gives one position per slot: the
+        latest over the heads, exact for causality (every kept key precedes every query, and
+        the slots written since hold the same token in every head), refused for a sliding
+        window (`windowed`) or an energy that reads positions.
 
         A sharded cache on a backend sharded over the same devices, where every query sees
         every filled key (`all_seen`: one query after the cache, or no causality; no window)
@@ -233,6 +278,8 @@ class KVCache(eqx.Module):
         count, `shard_lengths()` (which the fused GPU kernels take). A cache in position order
         (`in_order`): the filled `kv_length`. Otherwise the filled length and every slot's
         position."""
+        if self.slot_positions is not None:
+            return self._evicted_keys(all_seen=all_seen, energy=energy, windowed=windowed)
         if self.sharding is None:
             return {"kv_length": self.length}
         if backend.sharded:
@@ -251,6 +298,141 @@ class KVCache(eqx.Module):
             return {"kv_length": self.length}
         positions = jnp.asarray(self.positions(), jnp.int32)
         return {"kv_length": self.length, "kv_positions": positions}
+
+    def _evicted_keys(self, *, all_seen: bool, energy: Energy, windowed: bool) -> dict:
+        pos = self.slot_positions
+        assert pos is not None and not isinstance(pos, tuple)
+        if all_seen and not energy.reads_positions:
+            return {"kv_length": self.length}
+        if pos.ndim == 2:  # [kv_heads, max_len]: each head kept its own keys
+            if windowed or energy.reads_positions:
+                raise ValueError(
+                    "KVCache: this cache was evicted per kv head (evict(per_head=True)); a layer "
+                    f"with a sliding window or an energy that reads positions "
+                    f"({type(energy).__name__}) needs one position per slot: evict it with "
+                    "per_head=False"
+                )
+            pos = jnp.max(pos, axis=0)
+        # With positions, `kv_length` bounds the positions (filled: `pos < kv_length`); the
+        # slots not yet written hold positions from `next_position` on.
+        return {"kv_length": self.next_position, "kv_positions": pos}
+
+    def evict(
+        self,
+        scores: Float[Array, "*batch layers slots kv_heads"]
+        | Float[Array, "*batch slots kv_heads"],
+        keep: int,
+        *,
+        recent: int = 0,
+        per_head: bool = True,
+    ) -> KVCache:
+        r"""H2O eviction (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"): keep the `keep`
+        cached keys that received the most attention and the `recent` most recent ones, drop
+        the others.
+
+        The kept keys and values move to the first slots, in position order; their true
+        positions are recorded (`slot_positions`) and later tokens are appended after them
+        at their own positions (`next_position`), so attention afterwards equals attention
+        over the kept keys at their true positions (rotary was applied when they were
+        cached). With `per_head=True` (H2O's choice) each kv head keeps its own keys (the
+        layout stores every head's slots apart, so a gather per head compacts them);
+        `per_head=False` keeps one set per layer, by the scores summed over the kv heads
+        (needed for a layer with a sliding window or an energy that reads positions, which
+        take one position per slot).
+
+        **Arguments:**
+
+        - `scores`: the attention each cached key received, per layer and kv head,
+          `[layers, slots, kv_heads]` for a model's cache (`[slots, kv_heads]` for one
+          layer's), with a leading batch axis for a batched cache; slot `a < length` is read
+          from `scores[..., a, :]` (`slots >= length`). After a prefill into an empty cache
+          the slots are the prompt's tokens: `treeattn.models.attention_scores(model,
+          prompt)` gives them.
+        - `keep`: heavy hitters kept, `1 <= keep <= length` (`keep = length` keeps all).
+        - `recent`: the most recent tokens always kept, besides (H2O's recent window).
+        - `per_head`: one set of kept keys per kv head (True) or per layer.
+
+        **Returns:** the cache holding `min(length, keep + recent)` tokens in each row. A
+        sharded cache (round-robin slots) is refused. Runs eagerly, on the host's length.
+        """
+        fn = "KVCache.evict"
+        if self.devices > 1:
+            raise ValueError(f"{fn}: a cache sharded over devices cannot be evicted")
+        length = held(self)
+        if length is None:
+            raise ValueError(f"{fn}: the cache's length must be concrete (evict outside jit)")
+        if not isinstance(keep, int | np.integer) or keep < 1:
+            raise ValueError(f"{fn}: keep must be an int >= 1, got {keep!r}")
+        if not isinstance(recent, int | np.integer) or recent < 0:
+            raise ValueError(f"{fn}: recent must be an int >= 0, got {recent!r}")
+        shortest = int(np.min(length)) if length.size else 0
+        if keep > shortest:
+            raise ValueError(f"{fn}: keep={keep} must be at most the cache's length {shortest}")
+        layers = self.layers
+        k0 = self._first()
+        batch = k0.shape[: k0.ndim - 3]
+        heads = k0.shape[-3 if self.layout == "bhsd" else -2]
+        scores = jnp.asarray(scores)
+        lead = (*batch, *(() if layers is None else (layers,)))
+        if (
+            scores.ndim != len(lead) + 2
+            or scores.shape[: len(lead)] != lead
+            or scores.shape[-1] != heads
+            or scores.shape[-2] < int(np.max(length))
+            or scores.shape[-2] > self.max_len
+        ):
+            want = ", ".join(str(d) for d in lead) + (", " if lead else "")
+            raise ValueError(
+                f"{fn}: scores must have shape [{want}slots, kv_heads={heads}] with "
+                f"{int(np.max(length))} <= slots <= max_len={self.max_len}, got "
+                f"{tuple(scores.shape)}"
+            )
+        kept = min(int(np.max(length)), keep + recent)
+        width = kept  # slots rewritten per row (a row holding fewer keeps its own length)
+        one = functools.partial(
+            _evict_layer,
+            keep=keep,
+            recent=recent,
+            width=width,
+            per_head=per_head,
+            layout=self.layout,
+        )
+        ks = self.k if isinstance(self.k, tuple) else (self.k,)
+        vs = self.v if isinstance(self.v, tuple) else (self.v,)
+        pos = self.slot_positions
+        poss = pos if isinstance(pos, tuple) else (pos,) * len(ks)
+        per_layer = scores if layers is not None else scores[..., None, :, :]
+        dropped = jnp.zeros(batch, jnp.int32) if self.dropped is None else self.dropped
+        n = jnp.asarray(length, jnp.int32)
+        new_k, new_v, new_pos = [], [], []
+        for i, (k, v, p) in enumerate(zip(ks, vs, poss, strict=True)):
+            s = per_layer[..., i, :, :]
+            if p is None:
+                p = jnp.broadcast_to(
+                    jnp.arange(self.max_len, dtype=jnp.int32), (*batch, self.max_len)
+                )
+            run = one
+            for _ in batch:
+                run = jax.vmap(run)
+            k, v, p = run(k, v, p, s.astype(jnp.float32), n, dropped)
+            new_k.append(k)
+            new_v.append(v)
+            new_pos.append(p)
+        new_length = np.minimum(length, keep + recent).astype(np.int32)
+        new_dropped = dropped + jnp.asarray(length - new_length, jnp.int32)
+        if layers is None:
+            k_out, v_out, p_out = new_k[0], new_v[0], new_pos[0]
+        else:
+            k_out, v_out, p_out = tuple(new_k), tuple(new_v), tuple(new_pos)
+        return dataclasses.replace(
+            self,
+            k=k_out,
+            v=v_out,
+            slot_positions=p_out,
+            dropped=new_dropped,
+            length=new_length,
+            checked=False,
+        )
 
     def append(self, k: Float[Array, "n kv_heads qk"], v: Float[Array, "n kv_heads vo"]) -> KVCache:
         """Write `n` new tokens after the `length` already cached (one layer's cache; a
@@ -296,6 +478,49 @@ class KVCache(eqx.Module):
             new_k = _scatter_slots(self.k, slots, k, self.layout)
             new_v = _scatter_slots(self.v, slots, v, self.layout)
         return dataclasses.replace(self, k=new_k, v=new_v, length=self.length + n)
+
+
+@functools.partial(jax.jit, static_argnames=("keep", "recent", "width", "per_head", "layout"))
+def _evict_layer(k, v, pos, scores, length, dropped, *, keep, recent, width, per_head, layout):
+    """One row of one layer: the `width` slots kept (each row: the `keep` best-scored before
+    its `recent` last, and those), moved to the front in position order; `pos` the slots'
+    positions (`[max_len]` or `[kv_heads, max_len]`), returned per head when either the input
+    or `per_head` is."""
+    if layout == "bshd":
+        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # [kv_heads, max_len, d]
+    heads, max_len = k.shape[0], k.shape[1]
+    slots = jnp.arange(max_len, dtype=jnp.int32)
+    score = jnp.zeros((heads, max_len), jnp.float32).at[:, : scores.shape[0]].set(scores.T)
+    if not per_head:
+        score = jnp.broadcast_to(jnp.sum(score, axis=0), (heads, max_len))
+    start = jnp.maximum(length - recent, 0)  # the recent window: kept whatever its scores
+    # Ranks: the recent window first, then the heavy hitters; unfilled slots last.
+    rank = jnp.where(slots < start, score, jnp.inf)
+    rank = jnp.where(slots < length, rank, -jnp.inf)
+    _, best = jax.lax.top_k(rank, width)  # [heads, width]
+    kept = jnp.minimum(length, keep + recent)
+    # Kept slots in position order (slot order is position order), the surplus after them.
+    order = jnp.where(jnp.arange(width) < kept, 0, max_len)
+    best = jnp.sort(jnp.where(order == 0, best, max_len + best), axis=-1) % max_len
+    if per_head or pos.ndim == 2:
+        pos = jnp.broadcast_to(pos, (heads, max_len))
+        kept_pos = jnp.take_along_axis(pos, best, axis=-1)
+    else:
+        kept_pos = pos[best[0]]
+    new_dropped = dropped + length - kept
+    rest = slots + new_dropped  # where tokens appended later will sit
+    front = jnp.arange(width) < kept
+    take = functools.partial(jnp.take_along_axis, axis=1)
+    k_front = take(k, best[:, :, None])
+    v_front = take(v, best[:, :, None])
+    k = k.at[:, :width].set(jnp.where(front[None, :, None], k_front, k[:, :width]))
+    v = v.at[:, :width].set(jnp.where(front[None, :, None], v_front, v[:, :width]))
+    front_pos = jnp.where(front, kept_pos, rest[:width])
+    pos = jnp.broadcast_to(rest, kept_pos.shape[:-1] + (max_len,))
+    pos = pos.at[..., :width].set(front_pos)
+    if layout == "bshd":
+        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+    return k, v, pos.astype(jnp.int32)
 
 
 def _scatter_slots(buffer: Array, slots: Array, update: Array, layout: str) -> Array:
@@ -488,6 +713,11 @@ class LinearCache(eqx.Module):
         length = np.zeros(rows, np.int32)  # held on the host (see `held`)
         stop = np.full(rows, NO_STOP, np.int32)
         return cls(state=state, length=length, stop=stop, max_len=max_len)
+
+    @property
+    def next_position(self) -> Int[Array, "*batch"] | Int[np.ndarray, "*batch"]:
+        """The position of the next token: `length` (a linear state evicts nothing)."""
+        return self.length
 
     @property
     def devices(self) -> int:

@@ -241,7 +241,20 @@ class Decoder:
     def reset(self) -> None:
         """Forget every token: the cache is empty again (its buffers are reused)."""
         rows = () if self.batch is None else (self.batch,)
-        self._set(dataclasses.replace(self.cache, length=np.zeros(rows, np.int32)))
+        empty: dict[str, Any] = dict(length=np.zeros(rows, np.int32))
+        if isinstance(self.cache, KVCache):
+            empty.update(slot_positions=None, dropped=None)  # undo an eviction
+        self._set(dataclasses.replace(self.cache, **empty))
+
+    def evict(self, scores: Array, keep: int, *, recent: int = 0, per_head: bool = True) -> None:
+        """Evict the cache's least-attended keys ([`KVCache.evict`][treeattn.models.KVCache.evict],
+        whose arguments these are; scores from
+        [`attention_scores`][treeattn.models.attention_scores]). The next call compiles once
+        for the evicted cache (it carries its slots' positions)."""
+        cache = self.cache
+        if not isinstance(cache, KVCache):
+            raise ValueError("Decoder.evict: a LinearCache holds no keys to evict")
+        self._set(cache.evict(scores, keep, recent=recent, per_head=per_head))
 
     def _tokens(self, name: str, tokens, ndim: int) -> Array:
         ndim += self.batch is not None
