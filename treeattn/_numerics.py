@@ -254,6 +254,16 @@ class Masking(eqx.Module):
         """Whether a rule here reads query positions (prefix, chunk or a mask function)."""
         return self.prefix is not None or self.chunk is not None or self.mask_mod is not None
 
+    def arguments(self) -> dict[str, Any]:
+        """The public keyword arguments these rules come from (`MASKING_ARGUMENTS`)."""
+        return {
+            "q_segment_ids": self.q_segments,
+            "kv_segment_ids": self.kv_segments,
+            "prefix_length": self.prefix,
+            "chunk_size": self.chunk,
+            "mask_mod": self.mask_mod,
+        }
+
     def keys(self, kv_segments) -> Masking:
         """The same rules for another block of keys (its own segment ids)."""
         return dataclasses.replace(self, kv_segments=kv_segments)

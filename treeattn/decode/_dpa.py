@@ -217,15 +217,7 @@ def _attend(
 ):
     q_seq, kv_seq = q.shape[1], k.shape[1]
     q_valid = None
-    rules = {}
-    if masking is not None:
-        rules = {
-            "q_segment_ids": masking.q_segments,
-            "kv_segment_ids": masking.kv_segments,
-            "prefix_length": masking.prefix,
-            "chunk_size": masking.chunk,
-            "mask_mod": masking.mask_mod,
-        }
+    rules = {} if masking is None else masking.arguments()
     out, lse = flash_attention(
         q,
         k,

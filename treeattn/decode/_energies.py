@@ -175,16 +175,9 @@ def energy_forward(
         extra = {}
         if rules is not None:
             index, rules = rules
-            mask_mod = rules.mask_mod
-            if mask_mod is not None:  # the row's own index for `b`
-                mask_mod = jax.tree_util.Partial(_at_row, mask_mod, index)
-            extra = {
-                "q_segment_ids": rules.q_segments,
-                "kv_segment_ids": rules.kv_segments,
-                "prefix_length": rules.prefix,
-                "chunk_size": rules.chunk,
-                "mask_mod": mask_mod,
-            }
+            extra = rules.arguments()
+            if rules.mask_mod is not None:  # the row's own index for `b`
+                extra["mask_mod"] = jax.tree_util.Partial(_at_row, rules.mask_mod, index)
         return energy_attention(
             q,
             k,

@@ -515,10 +515,6 @@ def blockwise_attention(
     blocks = -(-dims.kv_seq // block)
     size = -(-dims.kv_seq // blocks)
     rows = max(1, tile // max(dims.heads * size, 1))
-    if causal or window is not None or mask is not None or masking is not None:
-        # Square tiles where some may be skipped: a tall chunk of queries sees a key block
-        # if any of its queries does (causal: half the tiles skipped needs chunks ~ blocks).
-        rows = min(rows, size)
     chunks = -(-dims.q_seq // min(rows, dims.q_seq))
     chunk = -(-dims.q_seq // chunks)
     local = dataclasses.replace(dims, q_seq=chunk, kv_seq=size)
