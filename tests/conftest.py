@@ -13,6 +13,7 @@ function, naming the parameters of the case), else its first; no `slow` test; pr
 on 5 examples. The full grid (`make test`, CI) runs every case.
 """
 
+import gc
 import os
 import random
 
@@ -167,3 +168,26 @@ def getkey(request):
         return sub
 
     return next_key
+
+
+# Every compiled XLA:CPU executable holds a few memory mappings until its jit cache drops it;
+# a worker that compiles tens of thousands of programs reaches the kernel's limit
+# (vm.max_map_count, 65,530 by default), and the next compilation aborts or segfaults inside
+# LLVM. Past this many mappings the caches are cleared (programs are compiled again on use).
+MAX_MAPPINGS = 24_000
+
+
+def _mappings() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_executables():
+    yield
+    if _mappings() > MAX_MAPPINGS:
+        jax.clear_caches()
+        gc.collect()
