@@ -761,3 +761,28 @@ def test_few_float32_rows_lower_for_cuda_as_one_plain_product():
     assert "treeattn_cpu_matmul" not in cuda
     assert "optimization_barrier" not in cuda and "transpose" not in cuda
     assert re.findall(r"dot_general.*-> tensor<([\dx]+)xf32>", cuda) == ["8x128"]
+
+
+@cpu_only
+def test_masking_rules_lower_for_cuda():
+    """Segment ids, a prefix and a mask function run on the energy kernel (plain JAX): a batched
+    call, the blockwise gradient with its skipped tiles, and tree decoding over 4 devices lower
+    for CUDA with no CPU custom call."""
+    from treeattn.energy import energy_attention
+
+    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)
+    rules = dict(
+        q_segment_ids=seg, kv_segment_ids=seg, prefix_length=3, mask_mod=lambda b, h, i, j: j != 5
+    )
+    q, k = S((2, 64, 4, 16), jnp.float32), S((2, 64, 2, 16), jnp.float32)
+    assert_cuda_program(lower(lambda q, k: flash_attention(q, k, k, causal=True, **rules)[0], q, k))
+
+    def grad(q, k):
+        return jax.grad(
+            lambda q: energy_attention(q, k, k, causal=True, **rules, block_size=16).sum()
+        )(q)
+
+    assert_cuda_program(lower(grad, S((64, 4, 16), jnp.float32), S((64, 2, 16), jnp.float32)))
+    mesh = mesh_of(4)
+    tree = lambda q, k: tree_decode(q, k, k, mesh=mesh, kv_axis="kv", causal=True, **rules)  # noqa: E731
+    assert_cuda_program(lower(tree, q, k))
