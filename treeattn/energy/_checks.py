@@ -8,7 +8,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import ArrayLike
 
-from .._numerics import Dims, check_position, check_scale, shape_of as _shape
+from .._numerics import (
+    MASKING_ARGUMENTS,
+    Dims,
+    Masking,
+    Window,
+    check_masking,
+    check_position,
+    check_scale,
+    check_window,
+    shape_of as _shape,
+)
 
 
 def _check_float(fn: str, **arrays) -> jnp.dtype:
@@ -106,3 +116,28 @@ def check_q_offset(fn: str, q_offset, *, name: str = "q_offset") -> None:
     """`q_offset` is a non-negative integer: a Python int or an integer scalar array, whose
     value is checked when it can be read (concrete); a traced one cannot be."""
     check_position(fn, name, q_offset, read_arrays=True)
+
+
+def check_problem(
+    fn: str,
+    q,
+    k,
+    v,
+    *,
+    zeta=None,
+    mask=None,
+    scale=None,
+    q_offset=0,
+    local_window_size=None,
+    **rules,
+) -> tuple[Dims, Window | None, Masking | None]:
+    """What every function of the free energy takes, checked once at its boundary: the heads
+    (and `zeta`, `mask`, `scale`), `q_offset`, the sliding window and the masking rules
+    (`rules`: the keywords of `MASKING_ARGUMENTS`, others ignored). Returns the sizes, the
+    window as `(left, right)` and the rules as one `Masking` (or None)."""
+    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
+    check_q_offset(fn, q_offset)
+    window = check_window(fn, local_window_size)
+    given = {name: rules[name] for name in MASKING_ARGUMENTS if name in rules}
+    masking = check_masking(fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **given)
+    return dims, window, masking

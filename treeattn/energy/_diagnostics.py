@@ -21,18 +21,13 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
-    MASKING_ARGUMENTS,
     Dims,
-    Window,
     as_position,
-    check_masking,
-    check_window,
     compute_dtype,
     lse_to_rows,
 )
-from .._partials import LOGSUMEXP, AxisName, Reduction, check_reduction
-from .._sharding import SequenceSharding
-from ._checks import check_multihead, check_q_offset, dims_of
+from .._partials import LOGSUMEXP, AxisName, Reduction
+from ._checks import check_problem, dims_of
 from ._energies import (
     SOFTMAX,
     Context,
@@ -42,7 +37,7 @@ from ._energies import (
     check_energy,
 )
 from ._generic import OnMesh, free_energy_terms, mesh_terms
-from ._sharded import mesh_problem
+from ._sharded import check_on_mesh, mesh_problem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,11 +217,8 @@ def _no_keys(kind: str, dims: Dims, ct) -> Array:
 
 def _single(fn: str, kind: str, q, k, v, *, causal, mask, scale, q_offset, **rest) -> Array:
     energy, block_size = rest["energy"], rest["block_size"]
-    dims = check_multihead(fn, q, k, v, mask=mask, scale=scale)
-    check_q_offset(fn, q_offset)
-    window = check_window(fn, rest["local_window_size"])
-    masking = check_masking(
-        fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **{n: rest[n] for n in MASKING_ARGUMENTS}
+    dims, window, masking = check_problem(
+        fn, q, k, v, mask=mask, scale=scale, q_offset=q_offset, **rest
     )
     check_energy(fn, energy)
     check_block_size(fn, block_size)
@@ -238,17 +230,15 @@ def _single(fn: str, kind: str, q, k, v, *, causal, mask, scale, q_offset, **res
 
 
 def _on_mesh(fn: str, kind: str, q, k, v, *, mesh, kv_axis, mask, q_offset, **rest) -> Array:
-    causal, scale, energy = rest["causal"], rest["scale"], rest["energy"]
-    reduction = rest["reduction"]
-    dims = check_multihead(fn, q, k, v, mask=mask, scale=scale)
-    check_q_offset(fn, q_offset)
-    window: Window | None = check_window(fn, rest["local_window_size"])
-    masking = check_masking(
-        fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **{n: rest[n] for n in MASKING_ARGUMENTS}
+    causal, scale, energy, reduction = (
+        rest["causal"],
+        rest["scale"],
+        rest["energy"],
+        rest["reduction"],
     )
-    check_energy(fn, energy)
-    sharding = SequenceSharding.create(fn, mesh, kv_axis)
-    check_reduction(fn, reduction, sharding.axis_name)
+    dims, window, masking, sharding = check_on_mesh(
+        fn, q, k, v, None, mesh=mesh, kv_axis=kv_axis, mask=mask, q_offset=q_offset, **rest
+    )
     if dims.kv_seq == 0:
         return _no_keys(kind, dims, compute_dtype(q.dtype))
     plan, args = mesh_problem(

@@ -22,16 +22,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
+    MASKING_ARGUMENTS,
     as_position,
-    check_masking,
-    check_window,
     compute_dtype,
     default_scale,
     from_rows,
     masked_logsumexp as masked_logsumexp,
     visibility,
 )
-from ._checks import check_multihead, check_q_offset, dims_of
+from ._checks import check_problem, dims_of
 from ._energies import (
     SOFTMAX,
     Energy,
@@ -233,14 +232,20 @@ def _multihead(
     block_size=None,
     **rules,
 ) -> Array:
-    check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
-    check_q_offset(fn, q_offset)
-    window = check_window(fn, local_window_size)
-    masking = check_masking(fn, q_seq=q.shape[0], kv_seq=k.shape[0], **rules)
+    checked = dict(zeta=zeta, mask=mask, scale=scale, q_offset=q_offset)
+    _, window, masking = check_problem(
+        fn, q, k, v, **checked, local_window_size=local_window_size, **rules
+    )
     check_energy(fn, energy)
     check_block_size(fn, block_size)
     kw = {"causal": causal, "scale": scale, "block_size": block_size, "window": window}
     return total_energy(energy, q, k, v, zeta, mask, as_position(q_offset), **kw, masking=masking)
+
+
+def _problem(args: dict) -> dict:
+    """A public function's arguments (its `locals()`) that `check_problem` checks."""
+    names = ("q", "k", "v", "mask", "scale", "q_offset", "local_window_size", *MASKING_ARGUMENTS)
+    return {name: args[name] for name in names}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,19 +349,7 @@ def energy_attention(
     out = energy_attention(q, k, v, causal=True)               # [5, 8, 16]
     ```
     """
-    check_multihead("energy_attention", q, k, v, mask=mask, scale=scale)
-    check_q_offset("energy_attention", q_offset)
-    window = check_window("energy_attention", local_window_size)
-    masking = check_masking(
-        "energy_attention",
-        q_seq=q.shape[0],
-        kv_seq=k.shape[0],
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        prefix_length=prefix_length,
-        chunk_size=chunk_size,
-        mask_mod=mask_mod,
-    )
+    _, window, masking = check_problem("energy_attention", **_problem(locals()))
     check_energy("energy_attention", energy)
     check_block_size("energy_attention", block_size)
     if not isinstance(return_free_energy, bool):
@@ -413,19 +406,7 @@ def attention_reference(
     **Returns:** `[q_seq, heads, dv]` in the dtype of the inputs; 0 for a query with no visible
     key.
     """
-    check_multihead("attention_reference", q, k, v, mask=mask, scale=scale)
-    check_q_offset("attention_reference", q_offset)
-    window = check_window("attention_reference", local_window_size)
-    masking = check_masking(
-        "attention_reference",
-        q_seq=q.shape[0],
-        kv_seq=k.shape[0],
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        prefix_length=prefix_length,
-        chunk_size=chunk_size,
-        mask_mod=mask_mod,
-    )
+    _, window, masking = check_problem("attention_reference", **_problem(locals()))
     check_energy("attention_reference", energy)
     kw = {"causal": causal, "scale": scale, "window": window, "masking": masking}
     if is_plain_softmax(energy):
@@ -532,10 +513,8 @@ def value_moments(
 def _cumulant(
     fn, q, k, v, order, causal, mask, scale, q_offset, energy, local_window_size, **rules
 ) -> Array:
-    check_multihead(fn, q, k, v, mask=mask, scale=scale)
-    check_q_offset(fn, q_offset)
-    window = check_window(fn, local_window_size)
-    masking = check_masking(fn, q_seq=q.shape[0], kv_seq=k.shape[0], **rules)
+    checked = dict(mask=mask, scale=scale, q_offset=q_offset, local_window_size=local_window_size)
+    _, window, masking = check_problem(fn, q, k, v, **checked, **rules)
     check_energy(fn, energy)
     q_pos = as_position(q_offset)
     kw = {"order": order, "causal": causal, "scale": scale, "window": window}

@@ -25,11 +25,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import (
-    MASKING_ARGUMENTS,
     Masking,
     as_position,
-    check_masking,
-    check_window,
     compute_dtype,
     default_scale,
     visibility,
@@ -41,7 +38,7 @@ from .._partials import (
     check_reduction,
 )
 from .._sharding import SequenceSharding
-from ._checks import check_multihead, check_q_offset
+from ._checks import check_problem, check_q_offset
 from ._energies import SOFTMAX, Energy, check_energy
 from ._generic import (
     mesh_attention,
@@ -58,8 +55,9 @@ def _sharded(fn, q, k, v, zeta, *, axis_name, mask, q_offset, kv_offset, reducti
     `zeta`, attention without (`zeta=None`). `rest`: `causal`, `scale`, `local_window_size`,
     `energy`."""
     scale, energy = rest["scale"], rest["energy"]
-    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
-    check_q_offset(fn, q_offset)
+    dims, window, masking = check_problem(
+        fn, q, k, v, zeta=zeta, mask=mask, q_offset=q_offset, **rest
+    )
     check_reduction(fn, reduction, axis_name)
     check_bound_axes(fn, axis_name)
     check_energy(fn, energy)
@@ -67,10 +65,6 @@ def _sharded(fn, q, k, v, zeta, *, axis_name, mask, q_offset, kv_offset, reducti
         kv_offset = lax.axis_index(axis_name) * dims.kv_seq
     else:
         check_q_offset(fn, kv_offset, name="kv_offset")
-    window = check_window(fn, rest["local_window_size"])
-    masking = check_masking(
-        fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **{n: rest[n] for n in MASKING_ARGUMENTS}
-    )
     vis = visibility(
         dims,
         causal=rest["causal"],
@@ -226,20 +220,34 @@ def mesh_problem(
     return plan, args
 
 
+def check_on_mesh(fn: str, q, k, v, zeta, *, mesh, kv_axis, reduction, energy, **rest):
+    """`check_problem` (`rest`: its keywords, others ignored), the energy, and the sequence
+    sharding of `(mesh, kv_axis)` with its `reduction`: `(dims, window, masking, sharding)`."""
+    dims, window, masking = check_problem(fn, q, k, v, zeta=zeta, **rest)
+    check_energy(fn, energy)
+    sharding = SequenceSharding.create(fn, mesh, kv_axis)
+    check_reduction(fn, reduction, sharding.axis_name)
+    return dims, window, masking, sharding
+
+
 def _on_mesh(fn, q, k, v, zeta, *, mesh, kv_axis, mask, q_offset, reduction, **rest):
     """Validate, pad the sequence to a multiple of the device count, and evaluate: F_tot with
     a source `zeta`, attention without (`zeta=None`, the point 0). `rest`: `causal`, `scale`,
     `local_window_size`, `energy`."""
     causal, scale, energy = rest["causal"], rest["scale"], rest["energy"]
-    dims = check_multihead(fn, q, k, v, zeta=zeta, mask=mask, scale=scale)
-    check_q_offset(fn, q_offset)
-    window = check_window(fn, rest["local_window_size"])
-    masking = check_masking(
-        fn, q_seq=dims.q_seq, kv_seq=dims.kv_seq, **{n: rest[n] for n in MASKING_ARGUMENTS}
+    dims, window, masking, sharding = check_on_mesh(
+        fn,
+        q,
+        k,
+        v,
+        zeta,
+        mesh=mesh,
+        kv_axis=kv_axis,
+        mask=mask,
+        q_offset=q_offset,
+        reduction=reduction,
+        **rest,
     )
-    check_energy(fn, energy)
-    sharding = SequenceSharding.create(fn, mesh, kv_axis)
-    check_reduction(fn, reduction, sharding.axis_name)
     at_zero = zeta is None
     if dims.kv_seq == 0:  # no key to shard: the answer needs no device but this one
         if at_zero:
