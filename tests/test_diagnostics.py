@@ -17,6 +17,7 @@ from jax.test_util import check_grads
 from treeattn.energy import (
     Softmax,
     attention_entropy,
+    multihead_free_energy,
     received_attention,
     tree_attention_entropy,
     tree_energy_attention,
@@ -141,6 +142,49 @@ def test_blockwise_equals_materialised(case, masking, getkey):
         whole = call(fn, q, k, v, energy, None, **kw)
         blocked = call(fn, q, k, v, energy, 8, **kw)
         np.testing.assert_allclose(blocked, whole, rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Blockwise F in tiles of 64 logits: 9 queries of 4 heads against blocks of 8 keys come
+    in five chunks of two (the last padded)."""
+    import treeattn.energy._blockwise as blockwise
+
+    jax.clear_caches()  # compiled programs hold the tile size they were traced with
+    monkeypatch.setattr(blockwise, "TILE_ELEMENTS", 64)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.fast(masking="mask_empty")
+@pytest.mark.parametrize("masking", [*MASKINGS, "packed"])
+def test_query_chunks_equal_one_chunk(masking, small_tiles, getkey):
+    """Blockwise F cut into chunks of queries (each with its own position, rows of the mask
+    and segment ids) gives the entropy (its temperature indexed by position), the received
+    attention, F and F's gradient of one chunk, materialised."""
+    shape = (9, 37, HEADS, 2, 8, 3)
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    if masking == "packed":
+        seg = jnp.asarray(np.repeat(np.arange(3), [10, 20, 7]), jnp.int32)
+        kw = {"causal": True, "q_offset": 28, "q_segment_ids": seg[28:], "kv_segment_ids": seg}
+    else:
+        kw, _ = _masking(getkey, shape, masking)
+    for fn in (attention_entropy, received_attention):
+        whole = fn(q, k, v, **kw)
+        blocked = fn(q, k, v, **kw, block_size=8)
+        np.testing.assert_allclose(blocked, whole, rtol=2e-5, atol=2e-5)
+    zeta = 0.1 * jax.random.normal(getkey(), q.shape[:2] + v.shape[-1:])
+
+    def f(q, k, v, zeta, block_size):
+        return multihead_free_energy(q, k, v, zeta, **kw, block_size=block_size)
+
+    for argnums in (None, (0, 1, 2, 3)):
+        whole, blocked = (functools.partial(f, block_size=size) for size in (None, 8))
+        if argnums is not None:
+            whole, blocked = jax.grad(whole, argnums), jax.grad(blocked, argnums)
+        expected, got = whole(q, k, v, zeta), blocked(q, k, v, zeta)
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.fast(p=4, case="softmax")

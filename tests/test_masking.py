@@ -2,6 +2,8 @@
 chunked attention and FlexAttention's `mask_mod` and `score_mod`, on every path, against
 float64 NumPy; blocks that no query sees are skipped."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import np_reference as ref
@@ -358,6 +360,43 @@ def test_tiles_no_query_sees_are_skipped(rule, seen, getkey):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-6)
 
 
+def test_tiles_are_skipped_under_vmap(getkey):
+    """A batch of packed rows (`vmap`, as the model layer batches): a tile is skipped when no
+    row sees it, so the branch stays a branch. Row 0 holds 8 documents of 256 tokens, row 1 four
+    of 512: chunks of 256 queries (segment ids halve the tile) see 8 and 16 blocks, 16 in all,
+    each scored twice forward and twice more in the gradient."""
+    n = 2048
+    q = jax.random.normal(getkey(), (2, n, 8, 16))
+    k = v = jax.random.normal(getkey(), (2, n, 2, 16))
+    seg = jnp.asarray(
+        np.stack([np.repeat(np.arange(8), n // 8), np.repeat(np.arange(4), n // 4)]), jnp.int32
+    )
+
+    counted = Counted()
+
+    def attend(q, k, v, seg, energy=counted, block_size=256):
+        kw = {"q_segment_ids": seg, "kv_segment_ids": seg}
+        return energy_attention(q, k, v, **kw, energy=energy, block_size=block_size)
+
+    def loss(q, k, v, **kw):
+        return jnp.sum(jax.vmap(functools.partial(attend, **kw))(q, k, v, seg) ** 2)
+
+    TILES.clear()
+    out = jax.vmap(attend)(q, k, v, seg)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert len(TILES) == 2 * 16
+    TILES.clear()
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    jax.block_until_ready(grads)
+    jax.effects_barrier()
+    assert len(TILES) == 4 * 16
+    dense = functools.partial(loss, energy=Softmax(), block_size=n)  # materialised
+    expected = jax.grad(dense, argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @settings(deadline=None, max_examples=20)
 @given(
     lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
@@ -513,3 +552,72 @@ def test_layer_segment_ids_errors():
         layer(x, x, x, segment_ids=jnp.zeros(5, jnp.int32))
     with pytest.raises(ValueError, match="q_seq == kv_seq"):
         layer(x[:3], x, x, segment_ids=jnp.zeros(3, jnp.int32))
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    seed=st.integers(0, 2**16),
+    rules=st.fixed_dictionaries(
+        {
+            "causal": st.booleans(),
+            "window": st.one_of(st.none(), st.tuples(st.integers(0, 9), st.integers(0, 9))),
+            "chunk": st.one_of(st.none(), st.integers(1, 8)),
+            "prefix": st.one_of(st.none(), st.integers(0, 12)),
+            "segments": st.booleans(),
+        }
+    ),
+    tile=st.tuples(st.integers(0, 24), st.integers(1, 6), st.integers(0, 24), st.integers(1, 6)),
+    valid=st.integers(1, 6),
+)
+def test_tile_coverage_bounds_visibility(seed, rules, tile, valid):
+    """Property: the bounds that decide whether a tile is skipped, partial or covered agree
+    with the rules pair by pair — skipped: no real key is visible; covered: every key is."""
+    from treeattn._numerics import COVERED, SKIPPED, Dims, Masking, tile_coverage
+
+    q0, nq, k0, nk = tile
+    valid = min(valid, nk)
+    rng = np.random.default_rng(seed)
+    # Sorted document ids, as packing makes them, over positions 0..31.
+    seg = np.sort(rng.integers(0, 4, 32)).astype(np.int32) if rules["segments"] else None
+    q_seg = None if seg is None else seg[q0 : q0 + nq]
+    kv_seg = None if seg is None else seg[k0 : k0 + nk]
+    prefix = rules["prefix"]
+    masking = Masking(
+        q_segments=None if q_seg is None else jnp.asarray(q_seg),
+        kv_segments=None if kv_seg is None else jnp.asarray(kv_seg),
+        prefix=None if prefix is None else jnp.asarray(prefix, jnp.int32),
+        chunk=rules["chunk"],
+    )
+    dims = Dims(q_seq=nq, kv_seq=nk, heads=1, kv_heads=1, qk=1, dv=1)
+    coverage = tile_coverage(
+        dims,
+        causal=rules["causal"],
+        q_offset=q0,
+        kv_offset=k0,
+        kv_valid=valid,
+        window=rules["window"],
+        masking=masking,
+    )
+    seen = ref.rules_visible(
+        np.arange(q0, q0 + nq),
+        np.arange(k0, k0 + nk),
+        1,
+        causal=rules["causal"],
+        window=rules["window"],
+        chunk=rules["chunk"],
+        prefix=prefix,
+        q_segments=q_seg,
+        kv_segments=kv_seg,
+    )[0]
+    seen[:, valid:] = False  # padding slots
+    if coverage is None:  # no rule: only the padding hides keys, every tile is computed
+        assert not (rules["causal"] or rules["segments"]) and rules["window"] is None
+        assert rules["chunk"] is None and prefix is None
+        return
+    if int(coverage) == SKIPPED:
+        assert not seen.any()
+    if int(coverage) == COVERED:
+        assert seen.all()
+    if not (rules["segments"] or rules["chunk"]) and seen.any():
+        # Positions alone: their bounds are exact.
+        assert int(coverage) != SKIPPED

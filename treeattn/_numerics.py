@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.core import Tracer
+from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Bool, Float, Int
 
@@ -446,6 +447,89 @@ def visibility(
             m = m.reshape(dims.kv_heads, dims.group, *m.shape[1:])
         vis = m if vis is None else vis & m
     return vis
+
+
+SKIPPED, PARTIAL, COVERED = 0, 1, 2
+"""What `tile_coverage` says of a tile: no query sees a key of it, some may, every query sees
+every key."""
+
+
+def tile_coverage(
+    dims: Dims,
+    *,
+    causal: bool,
+    q_offset: int | Int[Array, ""],
+    kv_offset: int | Int[Array, ""],
+    kv_valid: int | Int[Array, ""],
+    window: Window | None = None,
+    masking: Masking | None = None,
+    dense: bool = False,
+) -> Int[Array, ""] | None:
+    r"""How much of a tile `visibility` shows, read from the bounds of its positions and
+    segments without building it: `SKIPPED`, `PARTIAL` or `COVERED` (an int32 scalar), or
+    None when no rule but the padding hides a key (every tile is then computed).
+
+    The tile holds queries at `q_offset .. q_offset + q_seq - 1` and keys at `kv_offset ..`, of
+    which the first `kv_valid` slots are real. Bounds are conservative: `SKIPPED` only when no
+    (query, key) pair can be visible, `COVERED` only when every pair is, so a tile's result
+    never depends on them, only its cost. A mask function or a boolean mask (`dense`) is not
+    read here: with one, a tile is at most `PARTIAL` and the caller checks the tile itself.
+    Under `vmap` it is the batch's (`batch_coverage`).
+    """
+    m_ = masking if masking is not None else Masking()
+    if not (causal or window is not None or m_.chunk is not None or m_.prefix is not None):
+        if m_.q_segments is None and m_.mask_mod is None and not dense:
+            return None
+    q_lo = as_position(q_offset)
+    q_hi = q_lo + (dims.q_seq - 1)
+    k_lo = as_position(kv_offset)
+    k_hi = k_lo + as_position(kv_valid) - 1
+    some, every = k_hi >= k_lo, as_position(kv_valid) >= dims.kv_seq
+    near, inside = jnp.bool_(True), jnp.bool_(True)
+    if causal:
+        near, inside = near & (k_lo <= q_hi), inside & (k_hi <= q_lo)
+    if window is not None:
+        left, right = window
+        near &= (q_lo - k_hi <= left) & (k_lo - q_hi <= right)
+        inside &= (q_hi - k_lo <= left) & (k_hi - q_lo <= right)
+    if m_.chunk is not None:
+        qc = jnp.floor_divide(q_lo, m_.chunk), jnp.floor_divide(q_hi, m_.chunk)
+        kc = jnp.floor_divide(k_lo, m_.chunk), jnp.floor_divide(k_hi, m_.chunk)
+        near &= (kc[0] <= qc[1]) & (qc[0] <= kc[1])
+        inside &= (qc[0] == qc[1]) & (kc[0] == kc[1]) & (qc[0] == kc[0])
+    if m_.prefix is not None:
+        near, inside = near | (k_lo < m_.prefix), inside | (k_hi < m_.prefix)
+    some, every = some & near, every & inside
+    if m_.q_segments is not None and m_.kv_segments is not None:
+        qs, ks = m_.q_segments, m_.kv_segments
+        # Padding slots carry a real slot's id, so they widen no range.
+        real = jnp.arange(ks.shape[0], dtype=jnp.int32) < as_position(kv_valid)
+        ks = jnp.where(real, ks, ks[0])
+        q_range, k_range = (jnp.min(qs), jnp.max(qs)), (jnp.min(ks), jnp.max(ks))
+        some &= (q_range[0] <= k_range[1]) & (k_range[0] <= q_range[1])
+        every &= (q_range[0] == q_range[1]) & (k_range[0] == k_range[1])
+        every &= q_range[0] == k_range[0]
+    if m_.mask_mod is not None or dense:
+        every = jnp.bool_(False)
+    return batch_coverage(jnp.where(every, COVERED, jnp.where(some, PARTIAL, SKIPPED)))
+
+
+@custom_vmap
+def batch_coverage(coverage: Int[Array, ""]) -> Int[Array, ""]:
+    """A tile's coverage, int32; under `vmap`, that of the whole batch, unbatched: `SKIPPED`
+    when every row skips the tile, `COVERED` when every row covers it, else `PARTIAL`. A branch
+    on it then stays a branch (a batched predicate would run every branch and select)."""
+    return jnp.asarray(coverage, jnp.int32)
+
+
+@batch_coverage.def_vmap
+def _batch_coverage_rule(axis_size, in_batched, coverage):
+    del axis_size
+    if not in_batched[0]:
+        return batch_coverage(coverage), False
+    every = jnp.all(coverage == COVERED)
+    none = jnp.all(coverage == SKIPPED)
+    return batch_coverage(jnp.where(every, COVERED, jnp.where(none, SKIPPED, PARTIAL))), False
 
 
 def rows_visibility(

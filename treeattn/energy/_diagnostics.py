@@ -27,6 +27,7 @@ from .._numerics import (
     lse_to_rows,
 )
 from .._partials import LOGSUMEXP, AxisName, Reduction
+from ._blockwise import GRADIENT_ELEMENTS, choose_block
 from ._checks import check_problem, dims_of
 from ._energies import (
     SOFTMAX,
@@ -46,24 +47,26 @@ from ._sharded import check_on_mesh, mesh_problem
 
 
 class _Tempered(Energy):
-    r"""`inner` with the logits of query row $(i, h)$ multiplied by `beta[i, h]`; a once-only
+    r"""`inner` with the logits of query $(i, h)$ (at position `start + i`) multiplied by
+    `beta[i, h]`; a once-only
     term of a log-sum-exp energy (a sink: one more log-weight) is multiplied too. Everything
     else is `inner`'s."""
 
     inner: Energy
     beta: Float[Array, "q_seq heads"]
+    start: Int[Array, ""] | None  # the first query's position, None: rows as they come
 
     @property
     def monoid(self):  # pyright: ignore[reportIncompatibleVariableOverride]
         return self.inner.monoid
 
     def _rows(self, ctx: Context, dtype) -> Array:
-        if self.beta.shape != (ctx.dims.q_seq, ctx.dims.heads):
-            raise ValueError(  # a path that cuts the queries would need q_pos; none does for F
-                f"attention_entropy: a block of {ctx.dims.q_seq} query rows, "
-                f"beta of shape {self.beta.shape}"
-            )
-        return lse_to_rows(self.beta, ctx.dims).astype(dtype)
+        if self.start is None:  # every query in one block (the mesh path)
+            return lse_to_rows(self.beta, ctx.dims).astype(dtype)
+        # By absolute position: blockwise evaluation cuts the queries into chunks (and pads the
+        # last one, whose rows read 1).
+        rows = (ctx.q_pos - as_position(self.start))[None, :]
+        return self.beta.astype(dtype).at[rows, ctx.head].get(mode="fill", fill_value=1)
 
     def logits(self, q, k, ctx):
         # Every part of the logits (a composite energy's are a tuple) at the same temperature.
@@ -167,18 +170,20 @@ def _temperature(energy: Energy, heads: int, dtype) -> Array:
     return jnp.ones((heads,), dtype)
 
 
-def _entropy(energy: Energy, terms, dims: Dims, ct) -> Array:
+def _entropy(energy: Energy, terms, dims: Dims, ct, start) -> Array:
     r"""$\beta_0 (F - \partial F/\partial\beta)$ at $\beta = 1$, `[q_seq, heads]`, from `terms`
-    (the wrapped energy to $F$ of every row); 0 where $F = -\infty$ (no key seen)."""
+    (the wrapped energy to $F$ of every row; the first query at position `start`); 0 where
+    $F = -\infty$ (no key seen)."""
     beta = jnp.ones((dims.q_seq, dims.heads), ct)
-    f, pull = jax.vjp(lambda b: terms(_Tempered(energy, b)), beta)
+    f, pull = jax.vjp(lambda b: terms(_Tempered(energy, b, start)), beta)
     (d_beta,) = pull(jnp.ones_like(f))
     h = jnp.where(f == -jnp.inf, jnp.zeros((), f.dtype), f - d_beta)
     return h * _temperature(energy, dims.heads, f.dtype)
 
 
-def _received(energy: Energy, terms, dims: Dims, ct) -> Array:
+def _received(energy: Energy, terms, dims: Dims, ct, start) -> Array:
     r"""$\partial\sum_{i,h} F_{i,h}/\partial b_{h,a}$ at $b = 0$, as `[kv_seq, heads]`."""
+    del start  # the bias is indexed by the keys' absolute positions
     bias = jnp.zeros((dims.heads, dims.kv_seq), ct)
     d_bias = jax.grad(lambda b: jnp.sum(terms(_KeyBiased(energy, b))))(bias)
     return d_bias.T
@@ -193,20 +198,24 @@ def _diagnose(
 ):
     dims = dims_of(q, k, v)
     ct = compute_dtype(q.dtype)
+    block = choose_block(dims, block_size, GRADIENT_ELEMENTS) or 0  # 0: materialised
 
     def terms(e):
-        args = (e, q, k, v, None, mask, q_offset, causal, scale, True, block_size, window)
+        args = (e, q, k, v, None, mask, q_offset, causal, scale, True, block, window)
         return free_energy_terms(*args, masking)
 
     with jax.named_scope(f"attention_{kind}"):
-        return _KINDS[kind](energy, terms, dims, ct)
+        return _KINDS[kind](energy, terms, dims, ct, q_offset)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _diagnose_on_mesh(kind: str, plan: OnMesh, dims: Dims, energy, args: dict):
     ct = compute_dtype(args["q"].dtype)
     with jax.named_scope(f"tree_attention_{kind}"):
-        return _KINDS[kind](energy, lambda e: mesh_terms(plan, e, args), dims, ct)
+        terms = functools.partial(mesh_terms, plan, args=args)
+        # The mesh path evaluates every query of a shard at once: beta by row (start None),
+        # which keeps an integer leaf out of the energy its collectives add up.
+        return _KINDS[kind](energy, terms, dims, ct, None)
 
 
 def _no_keys(kind: str, dims: Dims, ct) -> Array:
