@@ -40,8 +40,10 @@ one row with segment ids, against one unpacked causal row of the same length (ta
 an eighth plus the diagonal blocks), the same documents padded to the longest into a batch of
 eight rows, and `jax.nn.dot_product_attention` with the dense boolean document mask (the
 baseline a user has today; timed last, in turns with the packed step again, as its 4 GiB slow
-what runs after it) — tokens per second and compiled temporaries. Every timed call follows an
-untimed one of the same step: the state of a training loop.
+what runs after it) — tokens per second and compiled temporaries; then a whole `Transformer`'s
+training step (`lm_loss`, 4 layers) on two rows of `--packed-seq` tokens of 8 and 5 packed
+documents against the same rows unpacked. Every timed call follows an untimed one of the same
+step: the state of a training loop.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import functools
 import statistics
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +79,7 @@ from treeattn.energy import (
 )
 from treeattn.models import LlamaConfig, Transformer, decode_step
 from treeattn.profiling import collective_stats
+from treeattn.training import lm_loss
 
 
 TIME_TARGET = 1.15
@@ -608,7 +612,60 @@ def masking_rows(args) -> dict:
             }
         )
     out["documents"] = lengths.tolist()
+    out["model"] = model_rows(args)
     return out
+
+
+def model_rows(args) -> dict:
+    """A whole Transformer's training step (`lm_loss`, gradient in every weight) over two rows
+    of `--packed-seq` tokens holding different packed documents, against the same rows with
+    no segment ids (each one causal document)."""
+    seq, heads = args.packed_seq, args.masking_heads
+    hidden = heads * args.dim
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq,
+    )
+    model = Transformer(config, key=jax.random.key(7))
+    rng = np.random.default_rng(1)
+    rows = []
+    for documents in (8, 5):
+        cuts = np.sort(rng.choice(np.arange(1, seq // 64), documents - 1, replace=False)) * 64
+        lengths = np.diff(np.concatenate([[0], cuts, [seq]]))
+        rows.append(np.repeat(np.arange(documents, dtype=np.int32), lengths))
+    seg = jnp.asarray(np.stack(rows))
+    tokens = jax.random.randint(jax.random.key(8), (2, seq + 1), 0, config.vocab_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step(segment_ids):
+        def loss(m):
+            return lm_loss(m, inputs, targets, segment_ids=segment_ids)
+
+        return eqx.filter_jit(eqx.filter_grad(loss))
+
+    steps = {"packed (segment ids)": step(seg), "unpacked rows": step(None)}
+    args_of = {name: (model,) for name in steps}
+    times = _timed_in_turns(steps, args_of, max(3, args.repeats // 2))
+    print(
+        f"\nTransformer training step ({config.num_hidden_layers} layers of {hidden}, {heads} "
+        f"heads of {args.dim}), 2 rows of {seq} tokens as 8 and 5 documents, against the same "
+        "rows unpacked:"
+    )
+    out = []
+    for name, t in times.items():
+        med = statistics.median(t)
+        r = _ratio(times, name, "unpacked rows")
+        print(
+            f"  {name:<22} {2 * seq / med:>9.0f} tok/s {med * 1e3:>8.0f}ms  "
+            f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}] of unpacked"
+        )
+        out.append({"case": name, "median_s": med, "tokens_per_s": 2 * seq / med, "ratio": r})
+    return {"rows": out, "documents": [np.bincount(r).tolist() for r in rows]}
 
 
 def main() -> None:

@@ -3,15 +3,17 @@ r"""Blockwise evaluation of any energy in O(N·d) memory, with its exact gradien
 The queries are cut into chunks and the keys into blocks of `block_size`, so that a tile of
 logits stays in cache; a tile that no query sees is skipped (`_on_tile`). For each chunk of
 queries, a scan lifts each block to its monoid state and folds it into the running state (in
-key order, so ordered monoids hold too), never holding more than one block of logits. The gradient of $F$ is a custom VJP that keeps only the per-block
-states (`[blocks, kv_heads, rows]`): it pulls the cotangent of $F$ back through the readout and
-the fold to each block's state, then recomputes each block's logits once more and pulls back
-through them (FlashAttention's recomputation, for any monoid).
+key order, so ordered monoids hold too), never holding more than one block of logits. The
+gradient of $F$ is a custom VJP that keeps only the per-block states (`[blocks, kv_heads,
+rows]`): it pulls the cotangent of $F$ back through the readout and the fold to each block's
+state, then recomputes each block's logits once more and pulls back through them
+(FlashAttention's recomputation, for any monoid).
 
 Attention $o = \partial F/\partial\zeta|_0$ has a custom VJP of its own (`blockwise_attention`),
-so that training through it never differentiates a scan, and the VJP of $o$ with cotangent $\bar o$ is
-the gradient of $H = \langle\bar o, \partial F/\partial\zeta\rangle$, the derivative of $F$
-along $\bar o$ — a JVP, evaluated blockwise with each block's state and its tangent.
+so that training through it never differentiates a scan, and the VJP of $o$ with cotangent
+$\bar o$ is the gradient of $H = \langle\bar o, \partial F/\partial\zeta\rangle$, the
+derivative of $F$ along $\bar o$ — a JVP, evaluated blockwise with each block's state and its
+tangent.
 """
 
 from __future__ import annotations
