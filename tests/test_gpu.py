@@ -766,9 +766,10 @@ def test_few_float32_rows_lower_for_cuda_as_one_plain_product():
 @cpu_only
 def test_masking_rules_lower_for_cuda():
     """Segment ids, a prefix and a mask function run on the energy kernel (plain JAX): a batched
-    call, the blockwise gradient with its skipped tiles, and tree decoding over 4 devices lower
-    for CUDA with no CPU custom call."""
-    from treeattn.energy import energy_attention
+    call, the blockwise gradient with its skipped tiles (also vmapped over rows of different
+    documents), the blockwise diagnostics in chunks of queries, and tree decoding over 4
+    devices lower for CUDA with no CPU custom call."""
+    from treeattn.energy import attention_entropy, energy_attention
 
     seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)
     rules = dict(
@@ -783,6 +784,25 @@ def test_masking_rules_lower_for_cuda():
         )(q)
 
     assert_cuda_program(lower(grad, S((64, 4, 16), jnp.float32), S((64, 2, 16), jnp.float32)))
+
+    # Rows of different documents under vmap (the batch's tile bounds, a custom batching rule),
+    # and the diagnostics' blockwise F in four chunks of 1,024 queries.
+    def grad_of_row(q, k, seg):
+        kw = {**rules, "q_segment_ids": seg, "kv_segment_ids": seg}
+        return jax.grad(
+            lambda q: energy_attention(q, k, k, causal=True, **kw, block_size=16).sum()
+        )(q)
+
+    rows = S((2, 64, 4, 16), jnp.float32), S((2, 64, 2, 16), jnp.float32), S((2, 64), jnp.int32)
+    assert_cuda_program(lower(jax.vmap(grad_of_row), *rows))
+    long_seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 1024)
+
+    def entropy(q, k):
+        kw = {"q_segment_ids": long_seg, "kv_segment_ids": long_seg}
+        return attention_entropy(q, k, k, causal=True, **kw, block_size=256)
+
+    long = S((4096, 4, 16), jnp.float32), S((4096, 2, 16), jnp.float32)
+    assert_cuda_program(lower(entropy, *long))
     mesh = mesh_of(4)
     tree = lambda q, k: tree_decode(q, k, k, mesh=mesh, kv_axis="kv", causal=True, **rules)  # noqa: E731
     assert_cuda_program(lower(tree, q, k))
