@@ -260,11 +260,11 @@ def _bwd(cfg, res, ct):
     xs = (ks, vs, marks, jnp.arange(cfg.blocks), d_states)
     (d_e, d_q, d_z), (d_ks, d_vs) = lax.scan(jax.checkpoint(step), zeros, xs)
     if w_e:
-        d_energy = eqx.combine(jax.tree.map(jnp.add, d_energy, d_e), _no_cotangent(fixed))
+        d_energy = eqx.combine(jax.tree.map(jnp.add, d_energy, d_e), zero_cotangents(fixed))
     return d_energy if w_e else None, d_q, d_ks, d_vs, d_z, None, None, None
 
 
-def _no_cotangent(tree):
+def zero_cotangents(tree):
     """Zero cotangents of inputs nothing differentiates: masks, segment ids, positions (and
     the arrays a mask function closes over)."""
 
@@ -528,7 +528,7 @@ def _attention_bwd(cfg, res, o_bar):
     init = _zeros_like_tree((energy, ks, vs))
     xs = (qs, per_chunk, states, o_bar)
     (d_energy, d_ks, d_vs), d_qs = lax.scan(chunk, init, xs)
-    return d_energy, d_qs, d_ks, d_vs, *_no_cotangent((marks, rules, q_offset))
+    return d_energy, d_qs, d_ks, d_vs, *zero_cotangents((marks, rules, q_offset))
 
 
 blockwise_attention_tiles.defvjp(_attention_fwd, _attention_bwd)

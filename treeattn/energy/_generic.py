@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
@@ -33,7 +32,7 @@ from .._numerics import (
 )
 from .._partials import AxisName, Reduction, axis_size, sum_across
 from .._sharding import SequenceSharding
-from ._blockwise import blockwise, blockwise_attention, choose_block
+from ._blockwise import blockwise, blockwise_attention, choose_block, zero_cotangents
 from ._checks import dims_of
 from ._energies import Context, make_context
 from ._local import local_state, readout
@@ -192,14 +191,6 @@ def _like(g: Array, x: Array, mesh) -> Array:
     return jax.sharding.reshard(g, jax.sharding.NamedSharding(mesh, sharding.spec))
 
 
-def _zero_cotangent(x):
-    if x is None:
-        return None
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
 def sharded_context(cfg: Sharded, q_offset, kv_offset, kv_pos=None) -> Context:
     """The context of this device's keys: at `kv_offset + a`, or at the absolute positions
     `kv_pos[a]` when given (a cache not stored in position order); `kv_offset` is then only
@@ -262,7 +253,7 @@ def _sharded_terms_bwd(cfg, res, ct):
     grads = sharded_backward(
         cfg, energy, q, k, v, zeta, vis, q_offset, kv_offset, saved, ct, kv_pos
     )
-    return (*grads, *map(_zero_cotangent, (vis, q_offset, kv_offset, kv_pos)))
+    return (*grads, *zero_cotangents((vis, q_offset, kv_offset, kv_pos)))
 
 
 sharded_terms.defvjp(_sharded_terms_fwd, _sharded_terms_bwd)
@@ -386,7 +377,7 @@ def _mesh_terms_bwd(plan, res, ct):
     grads: dict[str, Any] = {name: _like(g, args[name], mesh) for name, g in grads.items()}
     for name in ("q_offset", "mask", "masking"):
         if name in args:
-            grads[name] = jax.tree.map(_zero_cotangent, args[name])
+            grads[name] = zero_cotangents(args[name])
     return d_energy, grads
 
 
