@@ -64,6 +64,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from treeattn.decode import flash_attention, ring_decode, tree_decode
 from treeattn.energy import (
+    CosFormer,
     Differential,
     Forgetting,
     LinearKernel,
@@ -85,6 +86,7 @@ from treeattn.training import lm_loss
 TIME_TARGET = 1.15
 FLOP_TARGET = 1.05
 DIAGNOSTICS_TARGET = 1.5
+COSFORMER_HORIZON = 16384  # the longest distance of every table here (--memory: 16K tokens)
 
 
 def _logits(q, k):
@@ -124,6 +126,16 @@ def by_hand(name):
         w = jnp.where(causal, jnp.einsum("thd,shd->hts", elu_plus_one(q), elu_plus_one(k)), 0.0)
         return _apply(w / jnp.sum(w, axis=-1, keepdims=True), v)
 
+    def cosformer(q, k, v, horizon=COSFORMER_HORIZON):
+        # relu(q).relu(k) cos(pi/2 (i - j) / M) over the visible keys, normalised.
+        _, causal = _logits(q, k)
+        n_q, n_k = q.shape[0], k.shape[0]
+        gap = (n_k - n_q + jnp.arange(n_q))[:, None] - jnp.arange(n_k)[None, :]
+        cos = jnp.cos((jnp.pi / (2 * horizon)) * gap.astype(jnp.float32))
+        w = jnp.einsum("thd,shd->hts", jax.nn.relu(q), jax.nn.relu(k)) * cos
+        w = jnp.where(causal, w, 0.0)
+        return _apply(w / jnp.sum(w, axis=-1, keepdims=True), v)
+
     def stick(q, k, v):
         x, causal = _logits(q, k)
         log_r = jnp.where(causal, -jax.nn.softplus(x), 0.0)  # log(1 - beta)
@@ -161,6 +173,7 @@ def by_hand(name):
         "SoftmaxWithSink(0)": lambda q, k, v: softmax(q, k, v, beta=1.0, sink=0.0),
         "Sigmoid()": sigmoid,
         "LinearKernel()": linear,
+        f"CosFormer({COSFORMER_HORIZON})": cosformer,
         "StickBreaking()": stick,
         "Differential(0.5)": differential,
         "Forgetting()": forgetting,
@@ -173,6 +186,7 @@ ENERGIES = {
     "SoftmaxWithSink(0)": SoftmaxWithSink(sink=0.0),
     "Sigmoid()": Sigmoid(),
     "LinearKernel()": LinearKernel(),
+    f"CosFormer({COSFORMER_HORIZON})": CosFormer(COSFORMER_HORIZON),
     "StickBreaking()": StickBreaking(),
     "Differential(0.5)": Differential(lam=0.5),
     "Forgetting()": Forgetting(),
@@ -334,9 +348,10 @@ def decode_rows(args) -> list[dict]:
 
 
 def linear_decode_rows(args, contexts=(1024, 32768)) -> list[dict]:
-    """A LinearKernel model's decode step (donated cache, `treeattn.models.decode_step`) at
-    each context: against its linear state and against a KV cache. A step's cost does not
-    depend on what the cache holds, so the caches are empty ones with their length set."""
+    """A linear-energy model's decode step (donated cache, `treeattn.models.decode_step`) at
+    each context, for `LinearKernel` and `CosFormer` (features at positions): against its
+    linear state and against a KV cache. A step's cost does not depend on what the cache
+    holds, so the caches are empty ones with their length set."""
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=512,
@@ -346,27 +361,31 @@ def linear_decode_rows(args, contexts=(1024, 32768)) -> list[dict]:
         num_key_value_heads=2,
         max_position_embeddings=max(contexts) + 64,
     )
-    model = Transformer(config, energy=LinearKernel(), key=jax.random.key(0)).unstack_layers()
     steps = 2 + args.repeats
     print(
-        f"\ndecode step of a {config.num_hidden_layers} x {config.hidden_size} LinearKernel "
+        f"\ndecode step of a {config.num_hidden_layers} x {config.hidden_size} linear-energy "
         f"decoder (8 heads over 2 kv heads of 64), float32; median of {args.repeats} steps"
     )
     print(
-        f"{'context':>8} {'linear state':>13} {'KV cache':>10} {'state bytes':>12} {'KV bytes':>12}"
+        f"{'energy':<18} {'context':>8} {'linear state':>13} {'KV cache':>10} "
+        f"{'state bytes':>12} {'KV bytes':>12}"
     )
     out = []
-    for ctx in contexts:
-        row: dict = {"context": ctx}
-        for name, linear in (("state", True), ("kv", False)):
+    horizon = config.max_position_embeddings  # every cache below stays within it
+    energies = {"LinearKernel()": LinearKernel(), f"CosFormer({horizon})": CosFormer(horizon)}
+    for name, ctx in [(name, ctx) for name in energies for ctx in contexts]:
+        model = Transformer(config, energy=energies[name], key=jax.random.key(0))
+        model = model.unstack_layers()
+        row: dict = {"energy": name, "context": ctx}
+        for kind, linear in (("state", True), ("kv", False)):
             cache = model.init_cache(ctx + steps, linear_state=linear)
             cache = dataclasses.replace(cache, length=jnp.asarray(ctx - 1, jnp.int32))
-            row[f"{name}_bytes"] = sum(x.nbytes for x in jax.tree.leaves(cache))
+            row[f"{kind}_bytes"] = sum(x.nbytes for x in jax.tree.leaves(cache))
             token = jnp.asarray(1, jnp.int32)
             start = time.perf_counter()
             logits, cache = decode_step(model, token, cache)  # compiles
             jax.block_until_ready(logits)
-            row[f"{name}_compile_s"] = time.perf_counter() - start
+            row[f"{kind}_compile_s"] = time.perf_counter() - start
             logits, cache = decode_step(model, token, cache)
             jax.block_until_ready(logits)
             times = []
@@ -375,11 +394,12 @@ def linear_decode_rows(args, contexts=(1024, 32768)) -> list[dict]:
                 logits, cache = decode_step(model, token, cache)
                 jax.block_until_ready(logits)
                 times.append(time.perf_counter() - start)
-            row[f"{name}_median_s"] = statistics.median(times)
+            row[f"{kind}_median_s"] = statistics.median(times)
         out.append(row)
         print(
-            f"{ctx:>8} {row['state_median_s'] * 1e3:>11.2f}ms {row['kv_median_s'] * 1e3:>8.2f}ms "
-            f"{row['state_bytes'] / 2**20:>10.2f}MB {row['kv_bytes'] / 2**20:>10.1f}MB"
+            f"{name:<18} {ctx:>8} {row['state_median_s'] * 1e3:>11.2f}ms "
+            f"{row['kv_median_s'] * 1e3:>8.2f}ms {row['state_bytes'] / 2**20:>10.2f}MB "
+            f"{row['kv_bytes'] / 2**20:>10.1f}MB"
         )
     return out
 

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh
 
 from treeattn.energy import (
     SUM,
+    CosFormer,
     Differential,
     Energy,
     Forgetting,
@@ -252,6 +253,8 @@ ENERGIES = {
     "sigmoid": EnergyCase("sigmoid", {}, lambda p: Sigmoid()),
     "sigmoid_bias": EnergyCase("sigmoid", {"bias": 0.4}, lambda p: Sigmoid(bias=p["bias"])),
     "linear": EnergyCase("linear", {}, lambda p: LinearKernel()),
+    # A horizon near the longest distance of the tests, so that the cosine varies.
+    "cosformer": EnergyCase("cosformer", {"horizon": 64}, lambda p: CosFormer(p["horizon"])),
     "stick": EnergyCase("stick", {}, lambda p: StickBreaking()),
     "relu2": EnergyCase("relu2", {}, lambda p: ReLU2()),
     # Composite energies (treeattn.energy._composite); Forgetting reads c from the last channel.
@@ -287,6 +290,7 @@ GRID = [
     "sigmoid",
     "sigmoid_bias",
     "linear",
+    "cosformer",
     "stick",
     "relu2",
     "differential",
@@ -294,7 +298,8 @@ GRID = [
     "softpick",
 ]
 # One energy of each shipped class, in the models (test_model_energies).
-MODEL = ["softmax_beta_softcap", "sink_scalar", "sigmoid_fixed_bias", "linear", "stick"]
+MODEL = ["softmax_beta_softcap", "sink_scalar", "sigmoid_fixed_bias", "linear", "cosformer"]
+MODEL += ["stick"]
 
 
 def make_energy(name: str) -> Energy:

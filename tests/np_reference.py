@@ -269,6 +269,10 @@ def _row_weights(family, params, x, h, i_pos, pos, qf, kf, n_total):
     if family == "linear":
         w = _phi(kf) @ _phi(qf)
         return (w / w.sum() if w.size else w), 1.0
+    if family == "cosformer":  # relu features re-weighted by cos(pi/2 (i - a) / M)
+        w = np.maximum(kf, 0.0) @ np.maximum(qf, 0.0)
+        w = w * np.cos(0.5 * np.pi * (i_pos - pos) / params["horizon"])
+        return (w / w.sum() if w.sum() > 0 else np.zeros_like(w)), 1.0
     if family == "stick":
         beta = _sigmoid(x)
         order = np.argsort(pos)
@@ -285,9 +289,9 @@ def _row_weights(family, params, x, h, i_pos, pos, qf, kf, n_total):
 
 def energy_attention(family, params, q, k, v, *, causal=False, mask=None, q_offset=0):
     """Attention [q_seq, heads, dv] of the energy `family` ("softmax", "sink", "sigmoid",
-    "linear", "stick", "relu2", or a composite one: "differential", "forgetting", "softpick")
-    with `params` (beta, softcap, alibi, sink, bias, lam), and the Hessian of F_{i,h} in zeta
-    at 0, [q_seq, heads, dv, dv]."""
+    "linear", "cosformer", "stick", "relu2", or a composite one: "differential",
+    "forgetting", "softpick") with `params` (beta, softcap, alibi, sink, bias, lam, horizon),
+    and the Hessian of F_{i,h} in zeta at 0, [q_seq, heads, dv, dv]."""
     vis_kw = {"causal": causal, "mask": mask, "q_offset": q_offset}
     if family == "differential":
         return differential_attention(q, k, v, params["lam"], **vis_kw)
@@ -541,4 +545,8 @@ def energy_diagnostics(family, params, q, k, *, causal=False, mask=None, q_offse
                 entropy[i, h] = np.sum(softplus - _sigmoid(z) * xr)
             elif family == "linear" and row.any():
                 entropy[i, h] = np.log(np.sum(_phi(kr) @ _phi(qf[i, h]))) - 1.0
+            elif family == "cosformer" and row.any():
+                cos = np.cos(0.5 * np.pi * (q_offset + i - pos) / params["horizon"])
+                total = np.sum((np.maximum(kr, 0.0) @ np.maximum(qf[i, h], 0.0)) * cos)
+                entropy[i, h] = np.log(total) - 1.0 if total > 0 else -np.inf
     return entropy, received

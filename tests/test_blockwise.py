@@ -58,7 +58,8 @@ def _close(a, b, tol):
 
 
 @pytest.mark.parametrize(
-    "case", ["softmax_softcap_alibi", "sink", "sigmoid_bias", "linear", "stick", "relu2"]
+    "case",
+    ["softmax_softcap_alibi", "sink", "sigmoid_bias", "linear", "cosformer", "stick", "relu2"],
 )
 def test_matches_materialised_and_numpy(case, getkey):
     """Values and the VJP in (energy parameters, q, k, v): causal with an offset, a 3-d mask

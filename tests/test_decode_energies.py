@@ -67,6 +67,7 @@ STEP_CASES = [  # (energy, devices, layout): every device count and layout, few 
     ("sink", 8, "bshd"),
     ("sigmoid_bias", 4, "bhsd"),
     ("linear", 2, "bshd"),
+    ("cosformer", 8, "bhsd"),
     ("stick", 4, "bhsd"),
 ]
 

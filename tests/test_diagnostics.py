@@ -110,7 +110,7 @@ def test_bfloat16_against_float32_inputs(masking, getkey):
 
 
 ENERGY_CASES = ["softmax_beta", "softmax_softcap_alibi", "sink", "softmax1", "sigmoid_bias"]
-ENERGY_CASES += ["sigmoid", "linear", "stick"]
+ENERGY_CASES += ["sigmoid", "linear", "cosformer", "stick"]
 
 
 @pytest.mark.fast(case="sink")

@@ -208,7 +208,9 @@ PARAMETERS = {
 }
 
 
-@pytest.mark.parametrize("case", ["softmax_softcap_alibi", "sink", "sigmoid", "linear", "stick"])
+@pytest.mark.parametrize(
+    "case", ["softmax_softcap_alibi", "sink", "sigmoid", "linear", "cosformer", "stick"]
+)
 def test_check_grads_qkv(case, getkey):
     with jax.enable_x64(True):
         q, k, v = make_qkv(getkey, (2, 5, HEADS, 2, 3, 2), jnp.float64)
@@ -319,7 +321,7 @@ def test_vmap_gradient_matches_unbatched_and_numpy(name, getkey):
 # ---------------------------------------------------------------------------------------------
 
 
-TREE_CASES = ["softmax_beta", "sink", "sigmoid", "linear", "stick", "relu2"]
+TREE_CASES = ["softmax_beta", "sink", "sigmoid", "linear", "cosformer", "stick", "relu2"]
 
 
 SCHEDULES = [(1, "allreduce"), (2, "butterfly"), (4, "hierarchical"), (8, "allreduce")]

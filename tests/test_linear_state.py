@@ -1,6 +1,7 @@
 """LinearState: the decoding state of normalised linear attention against a float64 NumPy
 reference and against `energy_attention(energy=LinearKernel())`; a sum monoid (shards add,
-in any order; one psum across devices); causal chunks after a state; no keys gives 0."""
+in any order; one psum across devices); causal chunks after a state; no keys gives 0;
+position-aware features (cosFormer) at the tokens' positions."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,14 @@ from helpers import TOL, mesh_of
 from hypothesis import given, strategies as st
 from jax.sharding import PartitionSpec as P
 
-from treeattn.energy import LinearKernel, LinearState, allreduce_sum, energy_attention
+from treeattn.energy import (
+    CosFormer,
+    LinearKernel,
+    LinearState,
+    allreduce_sum,
+    energy_attention,
+)
+from treeattn.models import MultiheadAttention
 
 
 def np_phi(x):
@@ -164,3 +172,68 @@ def test_a_custom_feature_map_and_argument_errors(getkey):
         state.attend(q[:, :1].repeat(3, axis=1))
     with pytest.raises(ValueError, match="must be a LinearKernel"):
         LinearState.empty(2, 4, 3, energy="elu")  # pyright: ignore[reportArgumentType]
+
+
+def np_cosformer(q, k, v, q_pos, k_pos, horizon):
+    """Float64: o_i = sum_a w_ia v_a / sum_a w_ia with w_ia = relu(q_i).relu(k_a)
+    cos(pi/2 (i - a) / M), over the keys at positions <= i."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    for i in range(q.shape[0]):
+        for head in range(q.shape[1]):
+            kh = head // g
+            w = np.maximum(k[:, kh], 0) @ np.maximum(q[i, head], 0)
+            w = w * np.cos(0.5 * np.pi * (q_pos[i] - np.asarray(k_pos)) / horizon)
+            w = np.where(np.asarray(k_pos) <= q_pos[i], w, 0.0)
+            if w.sum() > 0:
+                out[i, head] = w @ v[:, kh] / w.sum()
+    return out
+
+
+def test_cosformer_state_reads_positions(getkey):
+    """The state of keys at their positions, built in two blocks, attends as cosFormer does
+    (NumPy, and `energy_attention` over the keys); a causal chunk after it too."""
+    horizon, n, heads, kv_heads = 24, 20, 4, 2
+    energy = CosFormer(horizon)
+    q = jax.random.normal(getkey(), (n + 3, heads, 8))
+    k = jax.random.normal(getkey(), (n, kv_heads, 8))
+    v = jax.random.normal(getkey(), (n, kv_heads, 5))
+    at = jnp.arange(n, dtype=jnp.int32)
+    first = LinearState.from_keys(k[:7], v[:7], energy=energy, positions=at[:7])
+    state = first + LinearState.from_keys(k[7:], v[7:], energy=energy, positions=at[7:])
+    assert state.S.shape == (kv_heads, 16, 5)  # features [relu cos, relu sin]
+    q_at = jnp.arange(n, n + 3, dtype=jnp.int32)  # three queries after the keys
+    out = state.attend(q[n:], positions=q_at)
+    want = np_cosformer(q[n:], k, v, np.asarray(q_at), np.arange(n), horizon)
+    assert rel(out, want) < TOL[jnp.float32]
+    ref = energy_attention(q[n:], k, v, causal=True, q_offset=n, energy=energy)
+    assert rel(out, ref) < 2e-5
+    # The same keys at other positions give other outputs: the positions are read.
+    moved = LinearState.from_keys(k, v, energy=energy, positions=at + 3)
+    assert rel(moved.attend(q[n:], positions=q_at), want) > 1e-3
+    # A causal chunk of tokens 7..19 after the state of the first 7.
+    chunk, new = first.attend_causal(q[7:n], k[7:], v[7:], positions=at[7:], block_size=4)
+    want = np_cosformer(q[7:n], k, v, np.arange(7, n), np.arange(n), horizon)
+    assert rel(chunk, want) < TOL[jnp.float32]
+    np.testing.assert_allclose(new.S, state.S, rtol=1e-5, atol=1e-5)
+
+
+def test_cosformer_errors(getkey):
+    k = jax.random.normal(getkey(), (3, 1, 4))
+    with pytest.raises(ValueError, match="positions=\\[3\\]"):
+        LinearState.from_keys(k, k, energy=CosFormer(8))
+    with pytest.raises(ValueError, match="positions must be integer"):
+        LinearState.from_keys(k, k, energy=CosFormer(8), positions=jnp.zeros(3))
+    with pytest.raises(ValueError, match="horizon must be a positive int"):
+        CosFormer(0)
+    # states under other features do not add
+    a = LinearState.from_keys(k, k, energy=CosFormer(8), positions=jnp.arange(3))
+    b = LinearState.from_keys(k, k, energy=CosFormer(9), positions=jnp.arange(3))
+    with pytest.raises(TypeError):
+        _ = a + b
+    # a cache whose positions reach past the horizon is refused
+    layer = MultiheadAttention(2, 8, causal=True, energy=CosFormer(8), key=getkey())
+    assert layer.init_cache(9).max_len == 9
+    with pytest.raises(ValueError, match="up to a distance of 8 tokens"):
+        layer.init_cache(10)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import TINY_CONFIG, decode_program, tree
 
-from treeattn.energy import LinearKernel, LinearState, Sigmoid, Softmax, StickBreaking
+from treeattn.energy import CosFormer, LinearKernel, LinearState, Sigmoid, Softmax, StickBreaking
 from treeattn.models import (
     AttentionBackend,
     KVCache,
@@ -52,8 +52,16 @@ def greedy_full_forward(model, prompt, n):
     return tokens
 
 
-def test_linear_generate_gives_the_tokens_of_the_full_forward(getkey):
-    model = Transformer(CONFIG, energy=LinearKernel(), key=getkey())
+# Linear energies with a decoding state: features of the key alone, and features of the key at
+# its position (cosFormer, whose horizon of 16 tokens makes the cosine vary from 1 to 0.1).
+LINEAR = pytest.mark.parametrize(
+    "energy", [LinearKernel(), CosFormer(16)], ids=["linear", "cosformer"]
+)
+
+
+@LINEAR
+def test_linear_generate_gives_the_tokens_of_the_full_forward(energy, getkey):
+    model = Transformer(CONFIG, energy=energy, key=getkey())
     cache = model.init_cache(16)
     assert isinstance(cache, LinearCache) and cache.layers == CONFIG.num_hidden_layers
     assert isinstance(model.init_cache(16, linear_state=False), KVCache)
@@ -66,10 +74,11 @@ def test_linear_generate_gives_the_tokens_of_the_full_forward(getkey):
     np.testing.assert_array_equal(got, want)
 
 
-def test_linear_generate_batched_with_padding(getkey):
+@LINEAR
+def test_linear_generate_batched_with_padding(energy, getkey):
     """Padding after a shorter prompt never enters the state: each row generates what it
-    would alone."""
-    model = Transformer(CONFIG, energy=LinearKernel(), key=getkey())
+    would alone (at its own positions)."""
+    model = Transformer(CONFIG, energy=energy, key=getkey())
     a = jax.random.randint(getkey(), (6,), 0, CONFIG.vocab_size)
     b = jax.random.randint(getkey(), (3,), 0, CONFIG.vocab_size)
     prompts = jnp.stack([a, jnp.concatenate([b, jnp.zeros(3, b.dtype)])])
@@ -79,8 +88,9 @@ def test_linear_generate_batched_with_padding(getkey):
     np.testing.assert_array_equal(got[1, 6:], greedy_full_forward(model, b, 4)[3:])
 
 
-def test_linear_state_logits_equal_the_kv_cache_and_the_full_forward(getkey):
-    model = Transformer(CONFIG, energy=LinearKernel(), key=getkey())
+@LINEAR
+def test_linear_state_logits_equal_the_kv_cache_and_the_full_forward(energy, getkey):
+    model = Transformer(CONFIG, energy=energy, key=getkey())
     tokens = jax.random.randint(getkey(), (9,), 0, CONFIG.vocab_size)
     full = model(tokens, backend="reference")
     assert not isinstance(full, tuple)

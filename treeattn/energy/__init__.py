@@ -26,6 +26,7 @@ from ._diagnostics import (
 )
 from ._energies import (
     Context as Context,
+    CosFormer as CosFormer,
     Energy as Energy,
     LinearKernel as LinearKernel,
     ScoreMod as ScoreMod,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from .._numerics import Dims, as_position
+from .._numerics import Dims, as_position, compute_dtype
 from .._partials import LOG_AFFINE, LOGSUMEXP, SUM, Monoid
 
 
@@ -121,6 +121,13 @@ class Energy(eqx.Module):
         shards carry fill counts only) refuses it. Default: True when a subclass defines its
         own `logits` (which may read them); override it to say otherwise."""
         return type(self).logits is not Energy.logits
+
+    @property
+    def max_distance(self) -> int | None:
+        """The largest distance between a query and a key for which the energy is defined
+        (a [`CosFormer`][treeattn.energy.CosFormer]'s weights turn negative past its horizon);
+        None: any. A model's cache refuses a `max_len` that reaches beyond it."""
+        return None
 
     def _scaled_tilt(self, ctx: Context, dtype) -> tuple[Array, Callable[..., Any]] | None:
         """`(c, e)` when `elements(x, t)` equals `e(x, c t)` for a per-row factor `c[kv_heads,
@@ -294,12 +301,24 @@ class LinearKernel(Energy):
     feature_map: Callable[[Array], Array] = eqx.field(static=True, default=elu_plus_one)
     monoid: ClassVar[Monoid] = SUM
 
+    def features(
+        self, x: Float[Array, "*lead d"], positions: Int[Array, "*#lead"]
+    ) -> Float[Array, "*lead f"]:
+        r"""$\phi(x)$ of queries or keys `x` at absolute `positions` (broadcast against
+        `x.shape[:-1]`); the weight of key $a$ for a query is $\phi(q)\cdot\phi(k_a)$. The
+        feature map alone here; a subclass may make features depend on positions
+        ([`CosFormer`][treeattn.energy.CosFormer]), and a decoding state then needs them."""
+        del positions
+        return self.feature_map(x)
+
     def logits(self, q, k, ctx):
-        return jnp.einsum("kmd,skd->kms", self.feature_map(q), self.feature_map(k))
+        phi_q = self.features(q, ctx.q_pos[None, :])
+        return jnp.einsum("kmf,skf->kms", phi_q, self.features(k, ctx.k_pos[:, None]))
 
     @property
     def reads_positions(self) -> bool:
-        return type(self).logits is not LinearKernel.logits
+        cls = type(self)
+        return cls.logits is not LinearKernel.logits or cls.features is not LinearKernel.features
 
     def elements(self, x, tilt, ctx):
         return x * jnp.exp(tilt)
@@ -310,6 +329,54 @@ class LinearKernel(Energy):
 
     def readout(self, state, ctx):
         return _log_of_sum(state)
+
+
+class CosFormer(LinearKernel):
+    r"""cosFormer attention (Qin et al., 2022): linear attention re-weighted by the distance
+    between query and key, with constant-time decoding through a
+    [`LinearState`][treeattn.energy.LinearState].
+
+    $$w_{ia} = \phi(q_i)\cdot\phi(k_a)\,\cos\Big(\frac{\pi}{2}\,\frac{i - a}{M}\Big),
+      \qquad F_i(\zeta) = \log\sum_a w_{ia}\, e^{\zeta\cdot v_a},$$
+
+    with $i, a$ absolute positions, $M$ the `horizon` and $\phi$ the `feature_map` (default
+    ReLU, as in the paper). Since $\cos(\theta_i - \theta_a) = \cos\theta_i\cos\theta_a
+    + \sin\theta_i\sin\theta_a$ with $\theta_p = \pi p / 2M$, the weights are those of a
+    `LinearKernel` with the position-aware features
+    $[\phi(x)\cos\theta_p,\ \phi(x)\sin\theta_p]$ (twice as many): a decoding state stays
+    $O(\mathrm{features}\cdot d_v)$ whatever the number of keys. Attention over keys forms the
+    weights directly (one cosine of the integer gap per logit, half the product of the
+    features); the state uses the features. The weights are
+    non-negative for $|i - a| \le M$: the horizon must cover the longest distance attended
+    over (a model's cache refuses a `max_len` beyond it).
+    """
+
+    horizon: int = eqx.field(static=True, kw_only=True)
+
+    def __init__(self, horizon: int, feature_map: Callable[[Array], Array] = jax.nn.relu):
+        if isinstance(horizon, bool) or not isinstance(horizon, int | np.integer) or horizon < 1:
+            raise ValueError(f"CosFormer: horizon must be a positive int, got {horizon!r}")
+        self.horizon = int(horizon)
+        self.feature_map = feature_map
+
+    def logits(self, q, k, ctx):
+        # The weights themselves, phi(q).phi(k) cos(pi/2 (i - a) / M): half the product of the
+        # features (which a decoding state needs), and the angle from the exact integer gap.
+        x = jnp.einsum("kmd,skd->kms", self.feature_map(q), self.feature_map(k))
+        gap = (ctx.q_pos[:, None] - ctx.k_pos[None, :]).astype(compute_dtype(x.dtype))
+        return x * jnp.cos((jnp.pi / (2 * self.horizon)) * gap).astype(x.dtype)
+
+    def features(self, x, positions):
+        phi = self.feature_map(x)
+        # The angle in at least float32: bfloat16 cannot tell position 1000 from 1004.
+        ct = compute_dtype(phi.dtype)
+        theta = (jnp.pi / (2 * self.horizon)) * jnp.asarray(positions).astype(ct)[..., None]
+        cos, sin = jnp.cos(theta).astype(phi.dtype), jnp.sin(theta).astype(phi.dtype)
+        return jnp.concatenate([phi * cos, phi * sin], axis=-1)
+
+    @property
+    def max_distance(self) -> int | None:
+        return self.horizon
 
 
 class StickBreaking(Energy):

@@ -1,5 +1,6 @@
 r"""The decoding state of normalised linear attention: $\sum_a \phi(k_a) v_a^\top$ and
-$\sum_a \phi(k_a)$, a sum monoid whose size does not depend on the number of keys."""
+$\sum_a \phi(k_a)$, a sum monoid whose size does not depend on the number of keys (with
+position-aware features, $\phi$ of each key at its position)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from .._numerics import compute_dtype
-from ._energies import LinearKernel, elu_plus_one
+from ._energies import LinearKernel
 
 
 def _check_kv(fn: str, k, v, kv_heads: int | None = None, qk: int | None = None) -> None:
@@ -27,6 +28,23 @@ def _check_kv(fn: str, k, v, kv_heads: int | None = None, qk: int | None = None)
         raise ValueError(
             f"{fn}: k{tuple(k.shape)} has head size {k.shape[2]}, the state's keys {qk}"
         )
+
+
+def _positions(fn: str, energy: LinearKernel, n: int, positions) -> Int[Array, " n"] | None:
+    """The absolute positions of `n` queries or keys, which position-aware features need."""
+    if positions is None:
+        if energy.reads_positions:
+            raise ValueError(
+                f"{fn}: {type(energy).__name__}'s features depend on positions: pass "
+                f"positions=[{n}] (the absolute positions of the tokens)"
+            )
+        return None
+    if jnp.shape(positions) != (n,) or not jnp.issubdtype(jnp.result_type(positions), jnp.integer):
+        raise ValueError(
+            f"{fn}: positions must be integer [n={n}], got {jnp.result_type(positions)}"
+            f"{tuple(jnp.shape(positions))}"
+        )
+    return jnp.asarray(positions).astype(jnp.int32)
 
 
 def _absorbed(fn: str, n: int, mask, length) -> Bool[Array, " n"] | None:
@@ -51,10 +69,12 @@ class LinearState(eqx.Module):
     Attention of a query against it is
     $$o = \frac{\phi(q)^\top S}{\phi(q)\cdot z}
         = \frac{\sum_a \phi(q)\cdot\phi(k_a)\,v_a}{\sum_a \phi(q)\cdot\phi(k_a)},$$
-    the attention of [`LinearKernel(feature_map)`][treeattn.energy.LinearKernel] over the same
-    keys (`energy_attention(energy=LinearKernel(phi))`), at a cost of
+    the attention of its `energy` (a [`LinearKernel`][treeattn.energy.LinearKernel]) over the
+    same keys (`energy_attention(energy=state.energy)`), at a cost of
     $O(\mathrm{features}\cdot d_v)$ per query and head, independent of the number of keys: a
     decode step against it takes constant time. A state with no keys gives 0 (never NaN).
+    An energy whose features read positions ([`CosFormer`][treeattn.energy.CosFormer]) takes
+    the absolute `positions` of the keys it absorbs and of the queries that attend.
 
     States form a **sum monoid**: the state of two blocks of keys is the sum of theirs
     (`a + b`), in any order, and the empty state is its identity. The state of a sequence
@@ -75,7 +95,12 @@ class LinearState(eqx.Module):
 
     S: Float[Array, "*batch kv_heads features dv"]
     z: Float[Array, "*batch kv_heads features"]
-    feature_map: Callable[[Array], Array] = eqx.field(static=True, default=elu_plus_one)
+    energy: LinearKernel = LinearKernel()
+
+    @property
+    def feature_map(self) -> Callable[[Array], Array]:
+        """The energy's feature map."""
+        return self.energy.feature_map
 
     @classmethod
     def empty(
@@ -88,17 +113,18 @@ class LinearState(eqx.Module):
         dtype=jnp.float32,
         batch: int | None = None,
     ) -> LinearState:
-        """The state of no keys for keys of size `qk` and values of size `dv` (the number of
-        features is that of `energy.feature_map` applied to a key). `dtype` is the dtype of
-        the keys; the state accumulates in at least float32."""
-        feature_map = _feature_map("LinearState.empty", energy)
+        """The state of no keys for keys of size `qk` and values of size `dv` under `energy`
+        (default `LinearKernel()`; as many features as its features of one key). `dtype` is the
+        dtype of the keys; the state accumulates in at least float32."""
+        energy = _energy("LinearState.empty", energy)
         ct = compute_dtype(dtype)
-        features = jax.eval_shape(feature_map, jax.ShapeDtypeStruct((qk,), ct)).shape[-1]
+        one, at = jax.ShapeDtypeStruct((qk,), ct), jax.ShapeDtypeStruct((), jnp.int32)
+        features = jax.eval_shape(energy.features, one, at).shape[-1]
         rows = () if batch is None else (batch,)
         return cls(
             S=jnp.zeros((*rows, kv_heads, features, dv), ct),
             z=jnp.zeros((*rows, kv_heads, features), ct),
-            feature_map=feature_map,
+            energy=energy,
         )
 
     @classmethod
@@ -110,23 +136,27 @@ class LinearState(eqx.Module):
         energy: LinearKernel | None = None,
         mask: Bool[Array, " n"] | None = None,
         length: Int[Array, ""] | int | None = None,
+        positions: Int[Array, " n"] | None = None,
     ) -> LinearState:
         """The state of the keys `k` and values `v` (only those where `mask` is True and among
-        the first `length`, if given)."""
+        the first `length`, if given) at `positions` (needed by position-aware features)."""
         _check_kv("LinearState.from_keys", k, v)
         state = cls.empty(k.shape[1], k.shape[2], v.shape[2], energy=energy, dtype=k.dtype)
-        return state.update(k, v, mask=mask, length=length)
+        return state.update(k, v, mask=mask, length=length, positions=positions)
 
-    @property
-    def energy(self) -> LinearKernel:
-        """The energy whose attention this state computes."""
-        return LinearKernel(feature_map=self.feature_map)
+    def _phi(self, x: Array, positions: Array | None) -> Array:
+        """Features of `x[n, heads, d]` at `positions[n]` (None: features that ignore them)."""
+        at = jnp.zeros((), jnp.int32) if positions is None else positions[:, None]
+        return self.energy.features(x.astype(self.S.dtype), at)
 
-    def _phi(self, x: Array) -> Array:
-        return self.feature_map(x.astype(self.S.dtype))
+    def serves(self, energy: LinearKernel) -> bool:
+        """Whether the state holds keys under `energy`'s features: the same class with the same
+        static fields (feature map, horizon)."""
+        mine = self.energy
+        return type(energy) is type(mine) and jax.tree.structure(energy) == jax.tree.structure(mine)
 
-    def _delta(self, k, v, keep):
-        phi_k = self._phi(k)  # [n, kv_heads, features]
+    def _delta(self, k, v, keep, positions):
+        phi_k = self._phi(k, positions)  # [n, kv_heads, features]
         if keep is not None:
             phi_k = jnp.where(keep[:, None, None], phi_k, jnp.zeros((), phi_k.dtype))
             # A key that is not absorbed never reaches the state, even when it holds NaN.
@@ -141,9 +171,11 @@ class LinearState(eqx.Module):
         *,
         mask: Bool[Array, " n"] | None = None,
         length: Int[Array, ""] | int | None = None,
+        positions: Int[Array, " n"] | None = None,
     ) -> LinearState:
         r"""The state with `n` more keys: $S + \sum_a \phi(k_a) v_a^\top$, $z + \sum_a
-        \phi(k_a)$ over the keys where `mask` is True and among the first `length`."""
+        \phi(k_a)$ over the keys where `mask` is True and among the first `length`, at
+        `positions` (needed by position-aware features)."""
         _check_kv("LinearState.update", k, v, self.S.shape[-3])
         if v.shape[2] != self.S.shape[-1]:
             raise ValueError(
@@ -151,16 +183,17 @@ class LinearState(eqx.Module):
                 f"state {self.S.shape[-1]}"
             )
         keep = _absorbed("LinearState.update", k.shape[0], mask, length)
-        s, z = self._delta(k, v, keep)
+        at = _positions("LinearState.update", self.energy, k.shape[0], positions)
+        s, z = self._delta(k, v, keep, at)
         return eqx.tree_at(lambda t: (t.S, t.z), self, (self.S + s, self.z + z))
 
     def __add__(self, other: LinearState) -> LinearState:
         """The state of both blocks of keys (the sum monoid)."""
-        if not isinstance(other, LinearState) or other.feature_map is not self.feature_map:
+        if not isinstance(other, LinearState) or not self.serves(other.energy):
             return NotImplemented
         return eqx.tree_at(lambda t: (t.S, t.z), self, (self.S + other.S, self.z + other.z))
 
-    def _rows(self, q):
+    def _rows(self, q, positions):
         """`phi(q)` `[q_seq, heads, qk]` grouped by kv head: `[q_seq, kv_heads, group, f]`."""
         kv_heads = self.S.shape[-3]
         if q.ndim != 3 or q.shape[1] % kv_heads:
@@ -168,7 +201,7 @@ class LinearState(eqx.Module):
                 f"LinearState: q must be [q_seq, heads, qk] with heads a multiple of "
                 f"kv_heads={kv_heads}, got q{tuple(q.shape)}"
             )
-        phi_q = self._phi(q)
+        phi_q = self._phi(q, positions)
         if phi_q.shape[-1] != self.S.shape[-2]:
             raise ValueError(
                 f"LinearState: q{tuple(q.shape)} gives {phi_q.shape[-1]} features, the state "
@@ -176,12 +209,15 @@ class LinearState(eqx.Module):
             )
         return phi_q.reshape(q.shape[0], kv_heads, -1, phi_q.shape[-1])
 
-    def attend(self, q: Float[Array, "q_seq heads qk"]) -> Float[Array, "q_seq heads dv"]:
-        r"""Attention of every query against the state, $\phi(q)^\top S / \phi(q)\cdot z$
-        (0 where the denominator is 0: no keys). Head $h$ reads kv head
-        $h / (\mathrm{heads}/\mathrm{kv\_heads})$ (GQA). **Returns:** `[q_seq, heads, dv]` in
-        the dtype of `q`."""
-        phi_q = self._rows(q)
+    def attend(
+        self, q: Float[Array, "q_seq heads qk"], *, positions: Int[Array, " q_seq"] | None = None
+    ) -> Float[Array, "q_seq heads dv"]:
+        r"""Attention of every query (at `positions`, for position-aware features) against the
+        state, $\phi(q)^\top S / \phi(q)\cdot z$ (0 where the denominator is 0: no keys).
+        Head $h$ reads kv head $h / (\mathrm{heads}/\mathrm{kv\_heads})$ (GQA).
+        **Returns:** `[q_seq, heads, dv]` in the dtype of `q`."""
+        at = _positions("LinearState.attend", self.energy, q.shape[0], positions)
+        phi_q = self._rows(q, at)
         num = jnp.einsum("tkgf,kfd->tkgd", phi_q, self.S)
         den = jnp.einsum("tkgf,kf->tkg", phi_q, self.z)
         out = _divide(num, den)
@@ -194,10 +230,12 @@ class LinearState(eqx.Module):
         v: Float[Array, "n kv_heads dv"],
         *,
         mask: Bool[Array, " n"] | None = None,
+        positions: Int[Array, " n"] | None = None,
         block_size: int = 256,
     ) -> tuple[Float[Array, "n heads dv"], LinearState]:
         r"""A causal chunk after the state: query $i$ of the chunk attends to the state's keys
-        and to the chunk's keys $j \le i$ (those where `mask` is True),
+        and to the chunk's keys $j \le i$ (those where `mask` is True); `positions` are the
+        tokens' (one query per key), needed by position-aware features,
         $$o_i = \frac{\phi(q_i)^\top S + \sum_{j\le i} \phi(q_i)\cdot\phi(k_j)\,v_j}
                      {\phi(q_i)\cdot z + \sum_{j\le i} \phi(q_i)\cdot\phi(k_j)}:$$
         within blocks of `block_size` keys the weights are formed (as attention forms them),
@@ -220,7 +258,8 @@ class LinearState(eqx.Module):
             )
         keep = _absorbed("LinearState.attend_causal", n, mask, None)
         keep = jnp.ones((n,), bool) if keep is None else keep
-        phi_q, phi_k = self._rows(q), self._phi(k)
+        at = _positions("LinearState.attend_causal", self.energy, n, positions)
+        phi_q, phi_k = self._rows(q, at), self._phi(k, at)
         v = v.astype(self.S.dtype)
         c = min(block_size, max(n, 1))
         blocks = -(-n // c)
@@ -256,9 +295,9 @@ def _divide(num, den):
     return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
 
 
-def _feature_map(fn: str, energy) -> Callable[[Array], Array]:
+def _energy(fn: str, energy) -> LinearKernel:
     if energy is None:
-        return elu_plus_one
+        return LinearKernel()
     if not isinstance(energy, LinearKernel):
         raise ValueError(f"{fn}: energy must be a LinearKernel, got {type(energy).__name__}")
-    return energy.feature_map
+    return energy

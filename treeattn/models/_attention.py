@@ -392,6 +392,12 @@ class MultiheadAttention(eqx.Module):
         default 16, one contiguous block per shard for an ordered energy; `layout`, default
         what the backend reads in place; `batch`). `dtype` defaults to the query projection's."""
         dtype = dtype or self.query_proj.weight.dtype
+        reach = None if self.energy is None else self.energy.max_distance
+        if reach is not None and max_len - 1 > reach:
+            raise ValueError(
+                f"init_cache: {type(self.energy).__name__}'s weights are defined up to a distance "
+                f"of {reach} tokens; a cache of max_len={max_len} reaches {max_len - 1}"
+            )
         if linear_state is None:
             linear_state = self.uses_linear_state
         sizes = (self.num_kv_heads, max_len, self.qk_size, self.vo_size)
@@ -447,23 +453,26 @@ class MultiheadAttention(eqx.Module):
                 f"local_window_size={self.local_window_size} (use a KVCache)"
             )
         assert isinstance(self.energy, LinearKernel)
-        if state.feature_map is not self.energy.feature_map:
+        if not state.serves(self.energy):
             raise ValueError(
-                "MultiheadAttention: the LinearCache was made for another feature map than the "
+                f"MultiheadAttention: the LinearCache was made for {state.energy!r}, not the "
                 "layer's energy (create it with energy=layer.energy)"
             )
         n = k.shape[0]
-        absorbed = jnp.asarray(cache.length) + jnp.arange(n, dtype=jnp.int32) < cache.stop
+        positions = jnp.asarray(cache.length) + jnp.arange(n, dtype=jnp.int32)
+        absorbed = positions < cache.stop
         if self.causal:
             if q.shape[0] != n:
                 raise ValueError(
                     f"MultiheadAttention: a causal call with a LinearCache takes as many queries "
                     f"as keys, got {q.shape[0]} and {n}"
                 )
-            out, state = state.attend_causal(q, k, v, mask=absorbed)
+            out, state = state.attend_causal(q, k, v, mask=absorbed, positions=positions)
         else:
-            state = state.update(k, v, mask=absorbed)
-            out = state.attend(q)
+            state = state.update(k, v, mask=absorbed, positions=positions)
+            # The queries sit after the cached tokens, as the keys do (`_heads`).
+            at = jnp.asarray(cache.length) + jnp.arange(q.shape[0], dtype=jnp.int32)
+            out = state.attend(q, positions=at)
         length = cache.length + n
         return out, dataclasses.replace(cache, state=state, length=length)
 

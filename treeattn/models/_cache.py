@@ -847,7 +847,7 @@ def _linear_rows(template: LinearCache, batch: int) -> LinearCache:
         return LinearState(
             S=jnp.zeros((batch, *one.S.shape[-3:]), one.S.dtype),
             z=jnp.zeros((batch, *one.z.shape[-2:]), one.z.dtype),
-            feature_map=one.feature_map,
+            energy=one.energy,
         )
 
     layers = template.layers
