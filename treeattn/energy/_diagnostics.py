@@ -24,7 +24,6 @@ from .._numerics import (
     Dims,
     as_position,
     compute_dtype,
-    lse_to_rows,
 )
 from .._partials import LOGSUMEXP, AxisName, Reduction
 from ._blockwise import GRADIENT_ELEMENTS, choose_block
@@ -54,15 +53,13 @@ class _Tempered(Energy):
 
     inner: Energy
     beta: Float[Array, "q_seq heads"]
-    start: Int[Array, ""] | None  # the first query's position, None: rows as they come
+    start: Int[Array, ""]  # the first query's position
 
     @property
     def monoid(self):  # pyright: ignore[reportIncompatibleVariableOverride]
         return self.inner.monoid
 
     def _rows(self, ctx: Context, dtype) -> Array:
-        if self.start is None:  # every query in one block (the mesh path)
-            return lse_to_rows(self.beta, ctx.dims).astype(dtype)
         # By absolute position: blockwise evaluation cuts the queries into chunks (and pads the
         # last one, whose rows read 1).
         rows = (ctx.q_pos - as_position(self.start))[None, :]
@@ -213,9 +210,7 @@ def _diagnose_on_mesh(kind: str, plan: OnMesh, dims: Dims, energy, args: dict):
     ct = compute_dtype(args["q"].dtype)
     with jax.named_scope(f"tree_attention_{kind}"):
         terms = functools.partial(mesh_terms, plan, args=args)
-        # The mesh path evaluates every query of a shard at once: beta by row (start None),
-        # which keeps an integer leaf out of the energy its collectives add up.
-        return _KINDS[kind](energy, terms, dims, ct, None)
+        return _KINDS[kind](energy, terms, dims, ct, args["q_offset"])
 
 
 def _no_keys(kind: str, dims: Dims, ct) -> Array:

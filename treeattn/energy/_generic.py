@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -213,7 +214,10 @@ def sharded_backward(
     """Cotangents of (energy, q, k, v, zeta): one reduction, of the replicated ones."""
     ctx = sharded_context(cfg, q_offset, kv_offset, kv_pos)
     state, merged, residual = saved
-    _, pull_readout = jax.vjp(lambda e, m: readout(e, m, ctx), energy, merged)
+    # Cotangents for the energy's inexact arrays only; its integer ones (a position) get float0.
+    fixed = eqx.filter(energy, eqx.is_inexact_array, inverse=True)
+    energy = eqx.filter(energy, eqx.is_inexact_array)
+    _, pull_readout = jax.vjp(lambda e, m: readout(eqx.combine(e, fixed), m, ctx), energy, merged)
     d_energy_once, d_merged = pull_readout(ct)
     d_state = energy.monoid.pullback(state, merged, residual, d_merged)
     # The replicated inputs enter as per-device copies (plus a zero that varies like the local
@@ -222,7 +226,7 @@ def sharded_backward(
     zero = jnp.sum(jnp.zeros_like(k[:1, :1, :1]))
     local = jax.tree.map(lambda x: x + zero.astype(jnp.result_type(x)), (energy, q, zeta))
     _, pull_local = jax.vjp(
-        lambda e, q, k, v, z: cfg.local_state(e, q, k, v, z, vis, ctx),
+        lambda e, q, k, v, z: cfg.local_state(eqx.combine(e, fixed), q, k, v, z, vis, ctx),
         local[0],
         local[1],
         k,
@@ -235,6 +239,7 @@ def sharded_backward(
     # wanted) is removed; XLA packs the live ones into one all-reduce.
     reduce = functools.partial(sum_across, axis_name=cfg.axis_name, reduction=cfg.reduction)
     d_energy = jax.tree.map(lambda a, b: reduce(a) + b, d_energy, d_energy_once)
+    d_energy = eqx.combine(d_energy, zero_cotangents(fixed))
     return d_energy, reduce(d_q), d_k, d_v, reduce(d_zeta)
 
 
