@@ -124,10 +124,14 @@ def step_analysis(model, cache, backend: str | AttentionBackend = "energy"):
     return decode_program(model, cache, backend)
 
 
-def test_a_linear_decode_step_does_not_depend_on_the_context():
+@pytest.mark.fast(energy="linear")
+@pytest.mark.parametrize("energy", ["linear", "cosformer"], ids=["linear", "cosformer"])
+def test_a_linear_decode_step_does_not_depend_on_the_context(energy):
     """Structural: the compiled step's arguments, temporaries and FLOPs are the same for a
-    context of 1K and of 32K tokens (a KV cache's arguments grow 32x)."""
-    model = Transformer(CONFIG, energy=LinearKernel(), key=jax.random.key(0)).unstack_layers()
+    context of 1K and of 32K tokens (a KV cache's arguments grow 32x); cosFormer's features
+    read the position, and still do not grow with it."""
+    energy = LinearKernel() if energy == "linear" else CosFormer(CONFIG.max_position_embeddings)
+    model = Transformer(CONFIG, energy=energy, key=jax.random.key(0)).unstack_layers()
     sizes = {}
     for max_len in (1024, 32768):
         for linear in (True, False):
