@@ -237,3 +237,15 @@ def test_cosformer_errors(getkey):
     assert layer.init_cache(9).max_len == 9
     with pytest.raises(ValueError, match="up to a distance of 8 tokens"):
         layer.init_cache(10)
+
+
+def test_a_state_built_from_a_feature_map_still_works(getkey):
+    """`LinearState(S, z, feature_map=f)` (the constructor before states held an energy)."""
+    k = jax.random.normal(getkey(), (5, 2, 4))
+    v = jax.random.normal(getkey(), (5, 2, 3))
+    state = LinearState.from_keys(k, v)
+    with pytest.warns(DeprecationWarning, match="energy=LinearKernel"):
+        old = LinearState(state.S, state.z, feature_map=state.feature_map)
+    assert old.serves(LinearKernel()) and (old + state).S.shape == state.S.shape
+    with pytest.raises(ValueError, match="not both"):
+        LinearState(state.S, state.z, LinearKernel(), feature_map=state.feature_map)

@@ -4,6 +4,7 @@ position-aware features, $\phi$ of each key at its position)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import equinox as eqx
@@ -95,7 +96,27 @@ class LinearState(eqx.Module):
 
     S: Float[Array, "*batch kv_heads features dv"]
     z: Float[Array, "*batch kv_heads features"]
-    energy: LinearKernel = LinearKernel()
+    energy: LinearKernel
+
+    def __init__(
+        self,
+        S: Float[Array, "*batch kv_heads features dv"],
+        z: Float[Array, "*batch kv_heads features"],
+        energy: LinearKernel | None = None,
+        *,
+        feature_map: Callable[[Array], Array] | None = None,
+    ):
+        if feature_map is not None:  # the state held its feature map before it held an energy
+            if energy is not None:
+                raise ValueError("LinearState: pass energy= or feature_map=, not both")
+            warnings.warn(
+                "LinearState(feature_map=f) is deprecated: pass energy=LinearKernel(f)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            energy = LinearKernel(feature_map=feature_map)
+        self.S, self.z = S, z
+        self.energy = _energy("LinearState", energy)
 
     @property
     def feature_map(self) -> Callable[[Array], Array]:
