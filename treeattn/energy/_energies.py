@@ -143,6 +143,14 @@ class Energy(eqx.Module):
         fusion with V)."""
         return False
 
+    def _lift_at_zero(self, x: Any, tilt: Array, visible: Array | None, ctx: Context) -> Any:
+        r"""The monoid state of a block at $\zeta = 0$ straight from its logits, or None (the
+        default: `elements`, then the monoid's lift). `tilt` is exactly 0 there but carries
+        its derivatives, which the state must keep to every order; `visible` (None: every key)
+        says which keys enter. For an energy whose log-domain elements cost transcendentals
+        and passes that its weights do not (`Softpick`)."""
+        return None
+
     def _unit_weights_at_zero(self) -> bool:
         r"""True when at $\zeta = 0$ the weights of the elements are at most 1 (log-weights
         $\le 0$): the monoid's `lift_unit` then lifts them without a running maximum."""

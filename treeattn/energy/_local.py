@@ -124,10 +124,14 @@ def local_state(
         if scaled is not None:
             zeta = scaled[0][..., None] * zeta
         tilt = (tilt_at_zero if at_zero else tilt_of)(zeta, v, head_major)
+    first = energy.once(ctx) if once else None
+    if first is None and (at_zero or zeta is None):
+        direct = energy._lift_at_zero(x, tilt, vis_rows, ctx)
+        if direct is not None:
+            return direct
     # At zeta = 0 an energy whose hidden elements are the identity is lifted without a mask.
     unmasked = at_zero and zeta is not None and energy._hides_itself()
     e, lift_vis = elements(x, tilt), None if unmasked else vis_rows
-    first = energy.once(ctx) if once else None
     if first is None:
         # At zeta = 0 weights known to be at most 1 need no running maximum.
         unit = (at_zero or zeta is None) and energy._unit_weights_at_zero()
