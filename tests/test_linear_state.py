@@ -234,9 +234,9 @@ def test_cosformer_errors(getkey):
         _ = a + b
     # a cache whose positions reach past the horizon is refused
     layer = MultiheadAttention(2, 8, causal=True, energy=CosFormer(8), key=getkey())
-    assert layer.init_cache(9).max_len == 9
-    with pytest.raises(ValueError, match="up to a distance of 8 tokens"):
-        layer.init_cache(10)
+    assert layer.init_cache(8).max_len == 8  # distances up to 7: cos(pi/2 7/8) > 0
+    with pytest.raises(ValueError, match="up to a distance of 7 tokens"):
+        layer.init_cache(9)
 
 
 def test_a_state_built_from_a_feature_map_still_works(getkey):
@@ -246,6 +246,8 @@ def test_a_state_built_from_a_feature_map_still_works(getkey):
     state = LinearState.from_keys(k, v)
     with pytest.warns(DeprecationWarning, match="energy=LinearKernel"):
         old = LinearState(state.S, state.z, feature_map=state.feature_map)
+    with pytest.warns(DeprecationWarning, match="energy=LinearKernel"):
+        assert LinearState(state.S, state.z, state.feature_map).serves(LinearKernel())
     assert old.serves(LinearKernel()) and (old + state).S.shape == state.S.shape
     with pytest.raises(ValueError, match="not both"):
         LinearState(state.S, state.z, LinearKernel(), feature_map=state.feature_map)

@@ -143,15 +143,17 @@ def forgetting_inputs(
 @jax.custom_jvp
 def _expm1_at_zero(t: Array) -> Array:
     r"""$e^t - 1$ for a $t$ known to be exactly 0 (a tilt at $\zeta = 0$): $t$ itself, no
-    transcendental; its derivative $(1 + (e^t - 1))\,\dot t$ calls it again, so derivatives
-    of every order are exact there (cumulants)."""
+    transcendental; its rule returns this function as its own primal and
+    $(1 + (e^t - 1))\,\dot t$ as the tangent, so derivatives of every order are exact there
+    (cumulants)."""
     return t
 
 
 @_expm1_at_zero.defjvp
 def _expm1_at_zero_jvp(primals, tangents):
     (t,), (dt,) = primals, tangents
-    return t, (1 + _expm1_at_zero(t)) * dt
+    out = _expm1_at_zero(t)  # itself, so that the next derivative is taken by this rule too
+    return out, (1 + out) * dt
 
 
 @jax.custom_jvp
@@ -184,7 +186,7 @@ class Softpick(Energy):
     $\log|e^{x_a} - 1| + [x_a > 0]\,\zeta\cdot v_a$ (computed as
     $\max(x, 0) + \log(1 - e^{-|x|})$, never $e^x$): shifted by a running maximum, merged
     across shards and blocks like softmax. At $\zeta = 0$ (attention, cumulants) a block is
-    lifted from the weights $|e^{x_a} - 1|\,e^{-s}$ themselves, one transcendental per logit.
+    lifted from the weights $|e^{x_a} - 1|\,e^{-s}$ themselves, in one pass.
     The Hessian is the covariance of
     $[x_a > 0]\,v_a$ under $p_a = |e^{x_a} - 1| / \sum_b |e^{x_b} - 1|$: the keys of negative
     logit act as sinks of value 0. No $\epsilon$ is added to the normaliser; masked keys
@@ -198,16 +200,17 @@ class Softpick(Energy):
 
     def _lift_at_zero(self, x, tilt, visible, ctx):
         # At zeta = 0 the weights straight from the logits, shifted by s = max(max_a x_a, 0)
-        # (at least every log-weight): d = (e^x - 1) e^-s = expm1(x - s) - expm1(-s), exact
-        # near x = 0; the normaliser sums |d| and the value-carrying keys add relu(d) (e^t - 1)
-        # for the tilt t, which is 0 here. One transcendental per logit, no select, so XLA keeps
-        # the weights in one fusion with the reduction and the product with V (the elements'
-        # log and the lift's exp took three, in three passes). A hidden key reads x = 0: d = 0.
+        # (at least every log-weight): a = |e^x - 1| e^-s = (1 - e^-|x|) e^(max(x, 0) - s),
+        # exact near x = 0 and for x far below s; the normaliser sums a and the keys of positive
+        # logit add relu(sign(x) a) (e^t - 1) for the tilt t, which is 0 here. Two
+        # transcendentals per logit and no select, so XLA keeps the weights in one fusion with
+        # the reduction and the product with V (the elements' log and the lift's exp took
+        # three, in three passes). A hidden key reads x = 0: a = 0.
         if type(self).elements is not Softpick.elements:
             return None
         if visible is not None:
             x = jnp.where(visible, x, jnp.zeros((), x.dtype))
-        shift = lax.stop_gradient(jnp.maximum(jnp.max(x, axis=-1), 0))
-        d = jnp.expm1(x - shift[..., None]) - jnp.expm1(-shift)[..., None]
-        z = jnp.sum(jnp.abs(d) + jax.nn.relu(d) * _expm1_at_zero(tilt), axis=-1)
-        return shift + _log_of_sum(z)
+        shift = lax.stop_gradient(jnp.max(x, axis=-1, initial=0))  # 0 for a block of no keys
+        a = -jnp.expm1(-jnp.abs(x)) * jnp.exp(jax.nn.relu(x) - shift[..., None])
+        carried = jax.nn.relu(jnp.sign(x) * a) * _expm1_at_zero(tilt)
+        return shift + _log_of_sum(jnp.sum(a + carried, axis=-1))

@@ -125,8 +125,9 @@ class Energy(eqx.Module):
     @property
     def max_distance(self) -> int | None:
         """The largest distance between a query and a key for which the energy is defined
-        (a [`CosFormer`][treeattn.energy.CosFormer]'s weights turn negative past its horizon);
-        None: any. A model's cache refuses a `max_len` that reaches beyond it."""
+        (a [`CosFormer`][treeattn.energy.CosFormer]'s weights vanish at its horizon and turn
+        negative past it); None: any. A model's `init_cache` refuses a `max_len` that reaches
+        beyond it; positions that keep growing after `Decoder.evict` are not checked."""
         return None
 
     def _scaled_tilt(self, ctx: Context, dtype) -> tuple[Array, Callable[..., Any]] | None:
@@ -355,8 +356,8 @@ class CosFormer(LinearKernel):
     $O(\mathrm{features}\cdot d_v)$ whatever the number of keys. Attention over keys forms the
     weights directly (one cosine of the integer gap per logit, half the product of the
     features); the state uses the features. The weights are
-    non-negative for $|i - a| \le M$: the horizon must cover the longest distance attended
-    over (a model's cache refuses a `max_len` beyond it).
+    positive for $|i - a| < M$: the horizon must exceed the longest distance attended over
+    (a model's `init_cache` refuses a `max_len` beyond it; `energy_attention` does not check).
     """
 
     horizon: int = eqx.field(static=True, kw_only=True)
@@ -372,7 +373,10 @@ class CosFormer(LinearKernel):
         # features (which a decoding state needs), and the angle from the exact integer gap.
         x = jnp.einsum("kmd,skd->kms", self.feature_map(q), self.feature_map(k))
         gap = (ctx.q_pos[:, None] - ctx.k_pos[None, :]).astype(compute_dtype(x.dtype))
-        return x * jnp.cos((jnp.pi / (2 * self.horizon)) * gap).astype(x.dtype)
+        # Floored at 0: float32's cos(pi/2) is -4e-8, which would make a lone key at the
+        # horizon a negative weight.
+        cos = jnp.maximum(jnp.cos((jnp.pi / (2 * self.horizon)) * gap), 0)
+        return x * cos.astype(x.dtype)
 
     def features(self, x, positions):
         phi = self.feature_map(x)
@@ -384,7 +388,7 @@ class CosFormer(LinearKernel):
 
     @property
     def max_distance(self) -> int | None:
-        return self.horizon
+        return self.horizon - 1  # at the horizon the weight is cos(pi/2) = 0
 
 
 class StickBreaking(Energy):

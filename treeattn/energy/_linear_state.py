@@ -34,7 +34,7 @@ def _check_kv(fn: str, k, v, kv_heads: int | None = None, qk: int | None = None)
 def _positions(fn: str, energy: LinearKernel, n: int, positions) -> Int[Array, " n"] | None:
     """The absolute positions of `n` queries or keys, which position-aware features need."""
     if positions is None:
-        if energy.reads_positions:
+        if type(energy).features is not LinearKernel.features:
             raise ValueError(
                 f"{fn}: {type(energy).__name__}'s features depend on positions: pass "
                 f"positions=[{n}] (the absolute positions of the tokens)"
@@ -106,6 +106,8 @@ class LinearState(eqx.Module):
         *,
         feature_map: Callable[[Array], Array] | None = None,
     ):
+        if callable(energy) and not isinstance(energy, LinearKernel):  # LinearState(S, z, f)
+            energy, feature_map = None, energy
         if feature_map is not None:  # the state held its feature map before it held an energy
             if energy is not None:
                 raise ValueError("LinearState: pass energy= or feature_map=, not both")
