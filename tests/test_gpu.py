@@ -806,3 +806,33 @@ def test_masking_rules_lower_for_cuda():
     mesh = mesh_of(4)
     tree = lambda q, k: tree_decode(q, k, k, mesh=mesh, kv_axis="kv", causal=True, **rules)  # noqa: E731
     assert_cuda_program(lower(tree, q, k))
+
+
+def test_softpick_and_cosformer_lower_for_cuda():
+    """Softpick's lift at zeta = 0 (attention and training through it, blockwise) and
+    cosFormer (attention over keys, and a causal chunk and a query against its linear state at
+    the tokens' positions) lower for CUDA with no CPU custom call."""
+    from treeattn.energy import CosFormer, LinearState, Softpick, energy_attention
+
+    q, k = S((256, 4, 16), jnp.float32), S((256, 2, 16), jnp.float32)
+    for energy in (Softpick(), CosFormer(512)):
+
+        def grad(q, k, energy=energy):
+            def loss(q):
+                out = energy_attention(q, k, k, causal=True, energy=energy, block_size=64)
+                return jnp.sum(out**2)
+
+            return jax.grad(loss)(q)
+
+        assert_cuda_program(lower(grad, q, k))
+        assert_cuda_program(
+            lower(lambda q, k, e=energy: energy_attention(q, k, k, causal=True, energy=e), q, k)
+        )
+
+    def decode(q, k):
+        at = jnp.arange(256, dtype=jnp.int32)
+        empty = LinearState.empty(2, 16, 16, energy=CosFormer(512))
+        out, state = empty.attend_causal(q, k, k, positions=at)
+        return out, state.attend(q[-1:], positions=at[-1:] + 1)
+
+    assert_cuda_program(lower(decode, q, k))
