@@ -325,9 +325,14 @@ class LinearKernel(Energy):
         return jnp.einsum("kmf,skf->kms", phi_q, self.features(k, ctx.k_pos[:, None]))
 
     @property
+    def features_read_positions(self) -> bool:
+        """Whether `features` depends on the positions (a subclass that defines its own), so
+        that a decoding state must be given them."""
+        return type(self).features is not LinearKernel.features
+
+    @property
     def reads_positions(self) -> bool:
-        cls = type(self)
-        return cls.logits is not LinearKernel.logits or cls.features is not LinearKernel.features
+        return type(self).logits is not LinearKernel.logits or self.features_read_positions
 
     def elements(self, x, tilt, ctx):
         return x * jnp.exp(tilt)

@@ -34,7 +34,7 @@ def _check_kv(fn: str, k, v, kv_heads: int | None = None, qk: int | None = None)
 def _positions(fn: str, energy: LinearKernel, n: int, positions) -> Int[Array, " n"] | None:
     """The absolute positions of `n` queries or keys, which position-aware features need."""
     if positions is None:
-        if type(energy).features is not LinearKernel.features:
+        if energy.features_read_positions:
             raise ValueError(
                 f"{fn}: {type(energy).__name__}'s features depend on positions: pass "
                 f"positions=[{n}] (the absolute positions of the tokens)"
