@@ -297,15 +297,6 @@ GRID = [
     "forgetting",
     "softpick",
 ]
-# A known defect, marked where it shows (not strict: most seeds pass).
-COSFORMER_GRADIENT_BUG = pytest.mark.xfail(
-    reason=(
-        "CosFormer's gradient is NaN for some random inputs (seeds 326061471 and 685537280; "
-        "cause not yet found): an open bug of issue 27"
-    ),
-    strict=False,
-)
-
 # One energy of each shipped class, in the models (test_model_energies).
 MODEL = ["softmax_beta_softcap", "sink_scalar", "sigmoid_fixed_bias", "linear", "cosformer"]
 MODEL += ["stick"]

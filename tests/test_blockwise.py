@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from helpers import COSFORMER_GRADIENT_BUG, HEADS, TOL, energy_reference, make_energy, make_qkv
+from helpers import HEADS, TOL, energy_reference, make_energy, make_qkv
 from jax.test_util import check_grads
 
 from treeattn.energy import (
+    CosFormer,
+    LinearKernel,
     Sigmoid,
     Softmax,
     SoftmaxWithSink,
@@ -59,8 +61,7 @@ def _close(a, b, tol):
 
 @pytest.mark.parametrize(
     "case",
-    ["softmax_softcap_alibi", "sink", "sigmoid_bias", "linear", "stick", "relu2"]
-    + [pytest.param("cosformer", marks=COSFORMER_GRADIENT_BUG)],
+    ["softmax_softcap_alibi", "sink", "sigmoid_bias", "linear", "stick", "relu2", "cosformer"],
 )
 def test_matches_materialised_and_numpy(case, getkey):
     """Values and the VJP in (energy parameters, q, k, v): causal with an offset, a 3-d mask
@@ -110,6 +111,43 @@ def test_check_grads(name, getkey):
             return _tiled(e, q, k, v, mask, jnp.int32(3), block=3, tile=2 * HEADS * 3)
 
         check_grads(f, (_with_params(name), q, k, v), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["relu_linear", "cosformer"])
+def test_rows_of_no_weight(name, getkey):
+    """A query whose ReLU features meet no visible key's (every weight 0, though keys are
+    visible) reads out 0 with zero, finite derivatives on both paths, to second order: its
+    1/s is 0, not 1/tiny (which made a cotangent overflow to inf and then NaN)."""
+    energy = {"relu_linear": LinearKernel(feature_map=jax.nn.relu), "cosformer": CosFormer(64)}
+    energy = energy[name]
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(getkey, (5, 8, HEADS, 2, 3, 2), jnp.float64)
+        # No coordinate within the finite differences' step of ReLU's bend at 0.
+        q, k = (x + jnp.copysign(jnp.float64(0.02), x) for x in (q, k))
+        # Query 1 of head 0 has one positive coordinate, which every key of kv head 0 lacks.
+        q = q.at[1, 0].set(jnp.array([1.0, -1.0, -1.0]))
+        k = k.at[:, 0, 0].set(-jnp.abs(k[:, 0, 0]) - 0.1)
+
+        def whole(e, q, k, v):
+            return energy_attention(q, k, v, causal=True, q_offset=3, energy=e)
+
+        def tiled(e, q, k, v):
+            return _tiled(e, q, k, v, None, jnp.int32(3), block=3, tile=2 * HEADS * 3)
+
+        out, grads = _pullback(whole, energy, q, k, v)
+        out_b, grads_b = _pullback(tiled, energy, q, k, v)
+        assert np.all(np.asarray(out[1, 0]) == 0) and np.all(np.asarray(out_b[1, 0]) == 0)
+        _close(out_b, out, 1e-12)
+        _close(grads_b, grads, 1e-12)
+        assert np.all(np.asarray(grads[1][1, 0]) == 0)  # the row's q gets nothing
+        check_grads(
+            functools.partial(whole, energy),
+            (q, k, v),
+            order=2,
+            modes=["rev"],
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_window_and_no_causal(getkey):

@@ -278,15 +278,18 @@ def _log_of_sum(s: Array) -> Array:
 @_log_of_sum.defjvp
 def _log_of_sum_jvp(primals, tangents):
     # ds / s with arithmetic alone on the rows (a select would keep the weights out of the
-    # fusion with V); an empty row has s = 0 and ds = 0, and gets 0.
+    # fusion with V). A row of no weight (s = 0: hidden keys, or features that meet nowhere,
+    # as ReLU's may) has F = -inf and ds = 0 (a sum of weights >= 0 is flat at its minimum),
+    # and every derivative 0: its 1/s is 0, so that a cotangent is never scaled by 1/tiny.
     (s,), (ds,) = primals, tangents
     return _log_of_sum(s), ds * _reciprocal(s)
 
 
 @jax.custom_jvp
 def _reciprocal(s: Array) -> Array:
-    """1 / s for s >= 0, with s floored at the smallest normal float (an empty row: s = 0)."""
-    return 1 / jnp.maximum(s, jnp.finfo(s.dtype).tiny)
+    """1 / s for s > 0 (s floored at the smallest normal float), 0 for s = 0 (a row of no
+    weight)."""
+    return (s > 0).astype(s.dtype) / jnp.maximum(s, jnp.finfo(s.dtype).tiny)
 
 
 @_reciprocal.defjvp
