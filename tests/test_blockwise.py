@@ -122,8 +122,8 @@ def test_rows_of_no_weight(name, getkey):
     energy = energy[name]
     with jax.enable_x64(True):
         q, k, v = make_qkv(getkey, (5, 8, HEADS, 2, 3, 2), jnp.float64)
-        # No coordinate within the finite differences' step of ReLU's bend at 0.
-        q, k = (x + jnp.copysign(jnp.float64(0.02), x) for x in (q, k))
+        # |q|, |k| >= 0.1: ReLU's bend at 0 out of the second-order finite differences' reach.
+        q, k = (x + jnp.copysign(jnp.float64(0.1), x) for x in (q, k))
         # Query 1 of head 0 has one positive coordinate, which every key of kv head 0 lacks.
         q = q.at[1, 0].set(jnp.array([1.0, -1.0, -1.0]))
         k = k.at[:, 0, 0].set(-jnp.abs(k[:, 0, 0]) - 0.1)
