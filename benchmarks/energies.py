@@ -720,7 +720,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="seq 256, 4 heads of 32")
     parser.add_argument(
-        "--grid", action="store_true", help="the energy table over ATTENTION_GRID's shapes"
+        "--grid",
+        action="store_true",
+        help="the energy table over ATTENTION_GRID's shapes (instead of --seq/--heads/--dim)",
     )
     parser.add_argument("--memory", action="store_true", help="blockwise memory at 16K tokens")
     parser.add_argument("--decode", action="store_true", help="tree vs ring (8 devices)")
@@ -764,9 +766,9 @@ def main() -> None:
         lin = linear_decode_rows(args)
         print(f"\nwrote {write_json('energies_linear', {'machine': machine(), 'linear': lin})}")
         return
+    shape = f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}"
     print(
-        f"q_seq = kv_seq = {args.seq}, {args.heads} heads of {args.dim}"
-        f"{' (--grid: the shapes of ATTENTION_GRID)' if args.grid else ''}, causal, float32; "
+        f"{'the shapes of ATTENTION_GRID' if args.grid else shape}, causal, float32; "
         f"medians of {args.repeats} alternating rounds after warm-up (time/hand: the median of "
         "the per-round ratios)\n"
     )

@@ -117,7 +117,8 @@ def test_check_grads(name, getkey):
 def test_rows_of_no_weight(name, getkey):
     """A query whose ReLU features meet no visible key's (every weight 0, though keys are
     visible) reads out 0 with zero, finite derivatives on both paths, to second order: its
-    1/s is 0, not 1/tiny (which made a cotangent overflow to inf and then NaN)."""
+    1/s is 1/floor, 1e292 in float64, not 1/tiny, at which the cotangent times values of 100
+    overflows (and 0 * inf is NaN)."""
     energy = {"relu_linear": LinearKernel(feature_map=jax.nn.relu), "cosformer": CosFormer(64)}
     energy = energy[name]
     with jax.enable_x64(True):
@@ -127,6 +128,7 @@ def test_rows_of_no_weight(name, getkey):
         # Query 1 of head 0 has one positive coordinate, which every key of kv head 0 lacks.
         q = q.at[1, 0].set(jnp.array([1.0, -1.0, -1.0]))
         k = k.at[:, 0, 0].set(-jnp.abs(k[:, 0, 0]) - 0.1)
+        v = v.at[:, 0].set(100.0)  # a cotangent times these overflows at 1/tiny, not at 1/floor
 
         def whole(e, q, k, v):
             return energy_attention(q, k, v, causal=True, q_offset=3, energy=e)

@@ -277,19 +277,20 @@ def _log_of_sum(s: Array) -> Array:
 
 @_log_of_sum.defjvp
 def _log_of_sum_jvp(primals, tangents):
-    # ds / s with arithmetic alone on the rows: XLA then takes the row scaling out of the
-    # product with V (any other form of 1/s, a select or a mask included, left a pass over the
-    # weights: 1.5x the time of CosFormer's attention). A row of no weight (hidden keys, or
-    # ReLU features that meet no key's) has s = 0 and ds = 0 and gets 0.
+    # ds / s with 1/max(s, floor) on the rows: XLA then takes the row scaling out of the
+    # product with V (a mask or a select on 1/s leaves a pass over the weights, 1.5x the time
+    # of CosFormer's attention). A row of no weight (hidden keys, or ReLU features that meet
+    # no key's) has s = 0 and ds = 0 and gets 0.
     (s,), (ds,) = primals, tangents
     return _log_of_sum(s), ds * _reciprocal(s)
 
 
 def _reciprocal_floor(dtype) -> float:
-    """tiny / eps (1e-31 in float32): 1/s of a sum below it is 1/floor, small enough that a
-    cotangent it scales cannot overflow (1/tiny made inf, then 0 * inf = NaN, in the
-    derivatives of a row of no weight)."""
-    info = jnp.finfo(dtype)
+    """tiny / eps of the compute dtype (2^-103 ~ 1e-31 in float32, 2^-970 in float64): 1/s of
+    a sum below it is 1/floor, so a cotangent it scales overflows only beyond 2^25 (float32;
+    2^54 in float64), where at 1/tiny a cotangent of 4 did, and 0 * inf is NaN in the
+    derivatives of a row of no weight."""
+    info = jnp.finfo(compute_dtype(dtype))
     return float(info.tiny) / float(info.eps)
 
 
@@ -297,7 +298,8 @@ def _reciprocal_floor(dtype) -> float:
 def _reciprocal(s: Array) -> Array:
     """1 / s for s >= tiny / eps (`_reciprocal_floor`); a row whose weights sum to less (a
     row of no weight: s = 0) reads 1/floor, so its attention, ds / floor, is 0 for s = 0 and
-    scaled down below the floor (F = log s stays exact)."""
+    scaled down by s / floor below the floor (F = log s stays exact, and a `LinearState`
+    divides exactly)."""
     return 1 / jnp.maximum(s, _reciprocal_floor(s.dtype))
 
 
