@@ -288,8 +288,8 @@ def _log_of_sum_jvp(primals, tangents):
 def _reciprocal_floor(dtype) -> float:
     """tiny / eps of the compute dtype (2^-103 ~ 1e-31 in float32, 2^-970 in float64): 1/s of
     a sum below it is 1/floor, so a cotangent it scales overflows only beyond 2^25 (float32;
-    2^54 in float64), where at 1/tiny a cotangent of 4 did, and 0 * inf is NaN in the
-    derivatives of a row of no weight."""
+    2^54 in float64); at 1/tiny one of 4 would, and 0 * inf is NaN in the derivatives of a row
+    of no weight."""
     info = jnp.finfo(compute_dtype(dtype))
     return float(info.tiny) / float(info.eps)
 
