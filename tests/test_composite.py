@@ -359,8 +359,8 @@ def test_pair_monoid_shape():
 def test_softpick_third_cumulant_precision_and_no_keys():
     """At zeta = 0 softpick is lifted from its weights: the third cumulant equals float64
     autodiff of log sum_a |e^x_a - 1| e^([x_a > 0] zeta.v_a); small weights beside a large one
-    keep float32 precision (8K logits in [0, 2] and one at 12, against float64 NumPy); a
-    problem with no keys attends to nothing."""
+    keep float32 precision (8K logits in [0, 2] and one at 12, against float64 NumPy), and so
+    do logits near 0; a problem with no keys attends to nothing."""
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
         q, k = jnp.asarray(rng.normal(size=(2, 1, 4))), jnp.asarray(rng.normal(size=(5, 1, 4)))
@@ -379,6 +379,15 @@ def test_softpick_third_cumulant_precision_and_no_keys():
     x[5] = 12.0
     v = rng.normal(size=(8192, 1, 3))
     q, k = jnp.ones((1, 1, 1)), jnp.asarray(x.reshape(-1, 1, 1), jnp.float32)
+    out = energy_attention(q, k, jnp.asarray(v, jnp.float32), energy=Softpick(), scale=1.0)
+    w = np.where(x > 0, np.expm1(x), 0.0) / np.sum(np.abs(np.expm1(x)))
+    want = w @ v[:, 0]
+    assert np.max(np.abs(np.asarray(out[0, 0], np.float64) - want)) < 1e-5 * np.max(np.abs(want))
+    # Logits near 0: |e^x - 1| ~ |x| keeps float32's relative precision (e^x - 1 formed by a
+    # subtraction would keep about 3 digits of these weights).
+    x = rng.uniform(-2e-4, 2e-4, 16)
+    v = rng.normal(size=(16, 1, 3))
+    k = jnp.asarray(x.reshape(-1, 1, 1), jnp.float32)
     out = energy_attention(q, k, jnp.asarray(v, jnp.float32), energy=Softpick(), scale=1.0)
     w = np.where(x > 0, np.expm1(x), 0.0) / np.sum(np.abs(np.expm1(x)))
     want = w @ v[:, 0]

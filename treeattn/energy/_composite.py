@@ -171,6 +171,11 @@ def _log_abs_expm1_jvp(primals, tangents):
     return _log_abs_expm1(x), jnp.sign(x) * jnp.exp(jnp.minimum(x, 0)) / u * dx
 
 
+_SOFTPICK_HEADROOM = 60.0
+"""Softpick's weights at zeta = 0 are shifted only above this logit: e^60 per key leaves room
+for 1e12 keys in a float32 sum."""
+
+
 class Softpick(Energy):
     r"""Softpick (Zuhri et al., 2025): rectified weights over an absolute normaliser,
 
@@ -186,7 +191,8 @@ class Softpick(Energy):
     $\log|e^{x_a} - 1| + [x_a > 0]\,\zeta\cdot v_a$ (computed as
     $\max(x, 0) + \log(1 - e^{-|x|})$, never $e^x$): shifted by a running maximum, merged
     across shards and blocks like softmax. At $\zeta = 0$ (attention, cumulants) a block is
-    lifted from the weights $|e^{x_a} - 1|\,e^{-s}$ themselves, in one pass.
+    lifted from the weights $|e^{x_a} - 1|\,e^{-m}$ themselves (one transcendental per
+    logit, $m = \max(0, \max_a x_a - 60)$), in one pass.
     The Hessian is the covariance of
     $[x_a > 0]\,v_a$ under $p_a = |e^{x_a} - 1| / \sum_b |e^{x_b} - 1|$: the keys of negative
     logit act as sinks of value 0. No $\epsilon$ is added to the normaliser; masked keys
@@ -199,18 +205,20 @@ class Softpick(Energy):
         return _log_abs_expm1(x) + (x > 0).astype(x.dtype) * tilt
 
     def _lift_at_zero(self, x, tilt, visible, ctx):
-        # At zeta = 0 the weights straight from the logits, shifted by s = max(max_a x_a, 0)
-        # (at least every log-weight): a = |e^x - 1| e^-s = (1 - e^-|x|) e^(max(x, 0) - s),
-        # exact near x = 0 and for x far below s; the normaliser sums a and the keys of positive
-        # logit add relu(sign(x) a) (e^t - 1) for the tilt t, which is 0 here. Two
-        # transcendentals per logit and no select, so XLA keeps the weights in one fusion with
-        # the reduction and the product with V (the elements' log and the lift's exp took
-        # three, in three passes). A hidden key reads x = 0: a = 0.
+        # At zeta = 0 the weights straight from the logits, in one transcendental per logit:
+        # t = e^-m (e^x - 1) = expm1(x - m) + (1 - e^-m), whose magnitude is the weight and
+        # whose positive part carries the tilt (e^t' - 1 for the tilt t', which is 0 here).
+        # The shift m is 0 unless the row's largest logit exceeds `_SOFTPICK_HEADROOM` (then
+        # |t| <= e^headroom still sums without overflow), so a row of small logits keeps
+        # expm1's relative precision (e^(x - s) - e^-s, one exp too, loses it near x = 0).
+        # No select: XLA keeps the weights in one fusion with the reduction and the product
+        # with V. A hidden key reads x = 0: t = 0 exactly.
         if type(self).elements is not Softpick.elements:
             return None
         if visible is not None:
             x = jnp.where(visible, x, jnp.zeros((), x.dtype))
-        shift = lax.stop_gradient(jnp.max(x, axis=-1, initial=0))  # 0 for a block of no keys
-        a = -jnp.expm1(-jnp.abs(x)) * jnp.exp(jax.nn.relu(x) - shift[..., None])
-        carried = jax.nn.relu(jnp.sign(x) * a) * _expm1_at_zero(tilt)
-        return shift + _log_of_sum(jnp.sum(a + carried, axis=-1))
+        largest = lax.stop_gradient(jnp.max(x, axis=-1, initial=0))  # 0 for a block of no keys
+        m = jax.nn.relu(largest - _SOFTPICK_HEADROOM)
+        t = jnp.expm1(x - m[..., None]) - jnp.expm1(-m)[..., None]
+        carried = jax.nn.relu(t) * _expm1_at_zero(tilt)
+        return m + _log_of_sum(jnp.sum(jnp.abs(t) + carried, axis=-1))
