@@ -36,12 +36,14 @@ per-round ratios). With `--masking` (on its own, written to `results/energies_ma
 training steps through attention (forward and gradient in q, k, v; `--masking-heads` heads of
 `--dim`, float32, blockwise in blocks of 256), timed in turns round by round: causal against
 full attention at `--masking-seqs` tokens (target: about one half, the tiles above the
-diagonal skipped); and at `--packed-seq` tokens, eight documents of uneven lengths packed in
+diagonal skipped), and causal with block skipping off (every tile computed with its
+visibility); and at `--packed-seq` tokens, eight documents of uneven lengths packed in
 one row with segment ids, against one unpacked causal row of the same length (target: about
 an eighth plus the diagonal blocks), the same documents padded to the longest into a batch of
 eight rows, and `jax.nn.dot_product_attention` with the dense boolean document mask (the
 baseline a user has today; timed last, in turns with the packed step again, as its 4 GiB slow
-what runs after it) — tokens per second and compiled temporaries; then a whole `Transformer`'s
+what runs after it), and the packed step with block skipping off — tokens per second and
+compiled temporaries; then a whole `Transformer`'s
 training step (`lm_loss`, 4 layers) on two rows of `--packed-seq` tokens of 8 and 5 packed
 documents against the same rows unpacked. Every timed call follows an untimed one of the same
 step: the state of a training loop.
@@ -50,10 +52,12 @@ step: the state of a training loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import statistics
 import time
+from unittest import mock
 
 import equinox as eqx
 import jax
@@ -549,8 +553,29 @@ def _timed_in_turns(steps: dict, args_of: dict, repeats: int) -> dict[str, list[
     return times
 
 
+@contextlib.contextmanager
+def _without_skipping():
+    """Steps compiled inside compute every blockwise tile, each with its visibility (the tile
+    bounds report nothing): block skipping off, for the comparison. jax's caches are cleared
+    on the way in and out, so that no trace made inside is reused outside, nor the reverse."""
+    from treeattn.energy import _blockwise
+
+    jax.clear_caches()
+    try:
+        with mock.patch.object(_blockwise, "tile_coverage", lambda *_, **__: None):
+            yield
+    finally:
+        jax.clear_caches()
+
+
+def _compiled_without_skipping(step, args) -> jax.stages.Compiled:
+    with _without_skipping():
+        return step.lower(*args).compile()
+
+
 def _temporaries(step, args) -> int:
-    return int(step.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    compiled = step if isinstance(step, jax.stages.Compiled) else step.lower(*args).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def _ratio(times, name, base) -> dict[str, float]:
@@ -566,7 +591,10 @@ def masking_rows(args) -> dict:
         f"training step through attention (grad of sum(out^2) in q, k, v), {heads} heads of "
         f"{dim}, float32, blocks of {block}; medians of {args.repeats} rounds in turns, [min, max]"
     )
-    print(f"\n{'seq':>6} {'full':>22} {'causal':>22}  causal/full [min, max]")
+    print(
+        f"\n{'seq':>6} {'full':>22} {'causal':>22} {'causal, no skipping':>22}  causal/full "
+        "[min, max]  no skipping/full"
+    )
     for seq in args.masking_seqs:
         keys = jax.random.split(jax.random.key(5), 3)
         q, k, v = (jax.random.normal(kk, (seq, heads, dim)) for kk in keys)
@@ -574,14 +602,19 @@ def masking_rows(args) -> dict:
             name: _train(functools.partial(energy_attention, causal=causal, block_size=block))
             for name, causal in (("full", False), ("causal", True))
         }
+        steps["causal, no skipping"] = _compiled_without_skipping(steps["causal"], (q, k, v))
         times = _timed_in_turns(steps, {n: (q, k, v) for n in steps}, args.repeats)
         ratio = _ratio(times, "causal", "full")
+        unskipped = _ratio(times, "causal, no skipping", "full")
         cells = " ".join(
             f"{statistics.median(t) * 1e3:>9.0f}ms [{min(t) * 1e3:.0f}, {max(t) * 1e3:.0f}]"
             for t in times.values()
         )
-        print(f"{seq:>6} {cells}  {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
-        row = {"seq": seq, "causal_over_full": ratio}
+        print(
+            f"{seq:>6} {cells}  {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]"
+            f"  {unskipped['median']:.2f} [{unskipped['min']:.2f}, {unskipped['max']:.2f}]"
+        )
+        row = {"seq": seq, "causal_over_full": ratio, "unskipped_over_full": unskipped}
         row |= {name: {"median_s": statistics.median(t)} for name, t in times.items()}
         out["causal"].append(row)
 
@@ -623,6 +656,10 @@ def masking_rows(args) -> dict:
     steps = {name: _train(fn) for name, fn in attend.items()}
     args_of = {name: (q, k, v) for name in steps}
     args_of["padded (8 rows)"] = (qb, kb, vb)
+    # The packed step again, every tile computed: what skipping saves.
+    unskipped = "packed, no skipping"
+    steps[unskipped] = _compiled_without_skipping(steps["packed (segment ids)"], (q, k, v))
+    args_of[unskipped] = (q, k, v)
     temps = {name: _temporaries(step, args_of[name]) for name, step in steps.items()}
     # jax.nn's 4 GiB step slows whatever runs after it in the process (the machine's memory
     # reclaim): it is timed last, in turns with the packed step again, and its ratio is theirs.
