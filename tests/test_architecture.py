@@ -34,9 +34,22 @@ def private_imports(path: pathlib.Path) -> list[str]:
     return found
 
 
+# The one exception: `benchmarks/energies.py --masking` measures what block skipping saves by
+# switching it off, which no public name does (the tile bounds and the XLA kernel's query chunk
+# size, patched only while the comparison step compiles).
+SWITCHED_OFF = {
+    "benchmarks/energies.py": {
+        "line 573: treeattn.energy ['_blockwise']",
+        "line 593: treeattn.decode ['_xla', 'flash_attention']",
+    }
+}
+
+
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_scripts_use_public_names(path):
-    assert not private_imports(path), private_imports(path)
+    allowed = SWITCHED_OFF.get(str(path.relative_to(ROOT)), set())
+    found = [f for f in private_imports(path) if f not in allowed]
+    assert not found, found
 
 
 def test_the_check_sees_a_private_import(tmp_path):
