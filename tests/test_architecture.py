@@ -35,12 +35,11 @@ def private_imports(path: pathlib.Path) -> list[str]:
 
 
 # The one exception: `benchmarks/energies.py --masking` measures what block skipping saves by
-# switching it off, which no public name does (the tile bounds and the XLA kernel's query chunk
-# size, patched only while the comparison step compiles).
+# switching it off, which no public name does (the tile bounds, patched only while the
+# comparison step compiles).
 SWITCHED_OFF = {
     "benchmarks/energies.py": {
-        "line 573: treeattn.energy ['_blockwise']",
-        "line 593: treeattn.decode ['_xla', 'flash_attention']",
+        "line 561: treeattn.energy ['_blockwise']",
     }
 }
 

@@ -147,62 +147,6 @@ def test_check_grads_xla_float64(getkey):
         check_grads(f, (q, k, v), order=2, modes=("rev",), eps=1e-4)
 
 
-@pytest.mark.parametrize("block", [None, 4])
-def test_xla_query_chunks_match_reference(block, monkeypatch, getkey):
-    """A causal or windowed call with more queries than `QUERY_CHUNK` runs in chunks of
-    queries, each over the key blocks it sees (here chunks of 3 of 8 queries, the last one
-    padded): out, lse and the gradients of q, k, v and the bias as the reference, for rows of
-    their own offsets and lengths, with a mask, a window, and a bias per query or broadcast
-    over them; and differentiable twice."""
-    from jax.test_util import check_grads
-
-    from treeattn.decode import _xla
-
-    monkeypatch.setattr(_xla, "QUERY_CHUNK", 3)
-    split, calls = _xla._split_queries, []
-    monkeypatch.setattr(_xla, "_split_queries", lambda *a: calls.append(1) or split(*a))
-    q, k, v = make_decode_qkv(getkey, 2, 8, 4, 2, 20, 8)
-    lengths = {"q_offset": jnp.asarray([12, 5]), "kv_length": jnp.asarray([20, 13])}
-    mask = jax.random.bernoulli(getkey(), 0.8, (2, 1, 8, 20))
-    w = jax.random.normal(getkey(), (2, 8, 4, 8))
-    for bias_shape, window in (((2, 4, 8, 20), None), ((1, 4, 1, 20), (5, 0))):
-        bias = jax.random.normal(getkey(), bias_shape)
-
-        def loss(backend, q, k, v, bias, window=window):
-            out, lse = flash_attention(
-                q,
-                k,
-                v,
-                bias=bias,
-                mask=mask,
-                causal=True,
-                local_window_size=window,
-                backend=backend,
-                block_size=block,
-                **lengths,
-            )
-            seen = jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0)
-            return jnp.sum(out * w) + jnp.sum(seen), (out, lse)
-
-        grad = functools.partial(jax.grad, argnums=(0, 1, 2, 3), has_aux=True)
-        got, (out, lse) = grad(functools.partial(loss, "xla"))(q, k, v, bias)
-        want, (out_r, lse_r) = grad(functools.partial(loss, "reference"))(q, k, v, bias)
-        np.testing.assert_allclose(out, out_r, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(lse, lse_r, rtol=1e-5, atol=1e-6)
-        assert got[3].shape == bias_shape
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    assert calls  # the queries were cut
-    with jax.enable_x64(True):
-        q, k, v = make_decode_qkv(getkey, 1, 7, 2, 1, 9, 3, dtype=jnp.float64)
-
-        def f(q, k, v):
-            kw = {"q_offset": 2, "kv_length": 9, "block_size": block}
-            return flash_attention(q, k, v, causal=True, backend="xla", **kw)
-
-        check_grads(f, (q, k, v), order=2, modes=("rev",), eps=1e-4)
-
-
 def test_flash_reference_twin_and_energy_agree(getkey):
     q, k, v = make_decode_qkv(getkey, 2, 3, 8, 2, 30, 16)
     out, _ = flash_attention(q, k, v, causal=True, q_offset=27)

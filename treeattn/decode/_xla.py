@@ -22,10 +22,7 @@ import numpy as np
 from jax import lax
 
 from .._numerics import (
-    COVERED,
-    SKIPPED,
     Dims,
-    batch_coverage,
     compute_dtype,
     from_rows,
     lse_from_rows,
@@ -173,85 +170,23 @@ def _limit(dims: Dims, q_offset, kv_length, causal, window):
     return limit
 
 
-def _block_range(dims: Dims, row: Row, size: int):
-    """The blocks of `size` keys `[lo, hi)` the row's queries may see: blocks past the filled
-    length (or past the last query, when causal, or outside every query's window) hold no
-    visible key when keys are in position order; with key positions, every block."""
-    total = -(-dims.kv_seq // size)
-    if row.kv_pos is not None:
-        return 0, total
-    limit = _limit(dims, row.q_offset, row.kv_length, row.causal, row.window)
-    hi = jnp.clip((limit + size - 1) // size, 0, total)
-    lo = 0 if row.window is None else jnp.clip((row.q_offset - row.window[0]) // size, 0, hi)
-    return lo, hi
-
-
-QUERY_CHUNK = 1024
-"""A causal or windowed call with more queries than this is cut into chunks of at most this
-many, each of which visits only the key blocks its own queries see: the blocks above the
-diagonal (or outside the window) are skipped, forward and backward."""
-
-
-def _query_chunks(dims: Dims, row: Row) -> int:
-    """How many chunks of queries the call is cut into (1: not cut)."""
-    if not (row.causal or row.window is not None) or row.kv_pos is not None:
-        return 1
-    return -(-dims.q_seq // QUERY_CHUNK)
-
-
-def _split_queries(x, n: int, axis: int = 0):
-    """`x` cut along its query `axis` into `n` equal chunks (zero-padded; stacked in front),
-    or None for None. An axis of size 1 (broadcast over the queries) is not cut: None too,
-    and the caller passes `x` whole to every chunk."""
-    if x is None or x.shape[axis] == 1:
-        return None
-    size = -(-x.shape[axis] // n)
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n * size - x.shape[axis])
-    x = jnp.pad(x, widths)
-    x = x.reshape(*x.shape[:axis], n, size, *x.shape[axis + 1 :])
-    return jnp.moveaxis(x, axis, 0)
-
-
-def _chunk_row(row: Row, c, size: int, mask_c, bias_c) -> Row:
-    """The row's rules for the queries of chunk `c` (of `size` queries)."""
-    return dataclasses.replace(
-        row,
-        q_offset=row.q_offset + c * size,
-        mask=row.mask if mask_c is None else mask_c,
-        bias=row.bias if bias_c is None else bias_c,
-    )
-
-
 def _xla_row(q, k, v, row: Row, *, dims: Dims, scale, block):
-    """One batch row; a causal or windowed one with many queries in chunks of queries
-    (`QUERY_CHUNK`), each over the key blocks it sees."""
-    n = _query_chunks(dims, row)
-    if n == 1:
-        return _xla_chunk(q, k, v, row, dims=dims, scale=scale, block=block)
-    size = -(-dims.q_seq // n)
-    local = dataclasses.replace(dims, q_seq=size)
-
-    def one(xs):
-        c, q_c, mask_c, bias_c = xs
-        row_c = _chunk_row(row, c, size, mask_c, bias_c)
-        return _xla_chunk(q_c, k, v, row_c, dims=local, scale=scale, block=block)
-
-    xs = (jnp.arange(n, dtype=jnp.int32), _split_queries(q, n))
-    xs += (_split_queries(row.mask, n, 1), _split_queries(row.bias, n, 1))
-    out, lse = lax.map(one, xs)
-    out = out.reshape(n * size, *out.shape[2:])[: dims.q_seq]
-    return out, lse.reshape(n * size, *lse.shape[2:])[: dims.q_seq]
-
-
-def _xla_chunk(q, k, v, row: Row, *, dims: Dims, scale, block):
-    """Online softmax over blocks of keys, merged with `merge_partials`. Only the blocks of
-    `_block_range` are visited, so a partly filled cache costs what its filled part costs and
-    a sliding window what the window costs."""
+    """One batch row: online softmax over blocks of `block` keys, merged with
+    `merge_partials`. Blocks past the filled length (or past the last query, when causal, or
+    outside every query's window) are not visited, so a partly filled cache costs what its
+    filled part costs and a sliding window what the window costs."""
     ct = compute_dtype(q.dtype)
     qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
-    size = block_size(dims, block)
-    lo, n_blocks = _block_range(dims, row, size)
+    size = min(block, dims.kv_seq)
+    limit = _limit(dims, row.q_offset, row.kv_length, row.causal, row.window)
+    total_blocks = -(-dims.kv_seq // size)
+    lo = 0
+    if row.kv_pos is None:  # contiguous: blocks past the limit hold no visible key
+        n_blocks = jnp.clip((limit + size - 1) // size, 0, total_blocks)
+        if row.window is not None:
+            lo = jnp.clip((row.q_offset - row.window[0]) // size, 0, n_blocks)
+    else:
+        n_blocks = total_blocks
     ax = dims.seq_axis
 
     def body(i, carry):
@@ -297,7 +232,7 @@ def xla_forward(
       every query's sliding window, are not visited and the unfilled keys of the last one are
       masked out of the values (they may hold NaN).
     """
-    blocked = functools.partial(_xla_row, dims=dims, scale=scale, block=block)
+    blocked = functools.partial(_xla_row, dims=dims, scale=scale, block=block_size(dims, block))
     limit = _limit(dims, q_offset, kv_length, causal, window)
     first_pos = 0 if kv_pos is None else jnp.min(kv_pos, axis=-1)
     rows = Row(q_offset, kv_length, kv_pos, mask, bias, causal, window)
@@ -323,52 +258,7 @@ def xla_forward(
 
 
 def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scale, block):
-    """Cotangents of (q, k, v, bias) for one batch row (`_backward_chunk`); a causal or
-    windowed one with many queries in chunks of queries, each over the key blocks it sees,
-    their key and value cotangents summed."""
-    n = _query_chunks(dims, row)
-    if n == 1:
-        args = (q, k, v, row, out, lse, d_out, d_lse)
-        dq, dk, dv, db = _backward_chunk(*args, dims=dims, scale=scale, block=block)
-    else:
-        size = -(-dims.q_seq // n)
-        local = dataclasses.replace(dims, q_seq=size)
-        bias_chunks = _split_queries(row.bias, n, 1)
-
-        def one(carry, xs):
-            c, q_c, out_c, lse_c, do_c, dl_c, mask_c, bias_c = xs
-            row_c = _chunk_row(row, c, size, mask_c, bias_c)
-            args = (q_c, k, v, row_c, out_c, lse_c, do_c, dl_c)
-            dq_c, dk_c, dv_c, db_c = _backward_chunk(*args, dims=local, scale=scale, block=block)
-            dk, dv, db = carry
-            if bias_c is None and db is not None:  # a bias broadcast over the queries
-                return (dk + dk_c, dv + dv_c, db + db_c), (dq_c, None)
-            return (dk + dk_c, dv + dv_c, db), (dq_c, db_c)
-
-        ct = compute_dtype(q.dtype)
-        db0 = None
-        if row.bias is not None and bias_chunks is None:
-            db0 = jnp.zeros(row.bias.shape, ct)
-        init = (jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct), db0)
-        init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.bias, out, lse, d_out)
-        xs = (jnp.arange(n, dtype=jnp.int32), *(_split_queries(x, n) for x in (q, out, lse)))
-        xs += (_split_queries(d_out, n), _split_queries(d_lse, n))
-        xs += (_split_queries(row.mask, n, 1), bias_chunks)
-        (dk, dv, db), (dq, db_chunks) = lax.scan(one, init, xs)
-        dq = dq.reshape(n * size, *dq.shape[2:])[: dims.q_seq]
-        if db_chunks is not None:  # [n, #heads, size, kv] -> [#heads, q_seq, kv]
-            db = jnp.moveaxis(db_chunks, 0, 1)
-            db = db.reshape(db.shape[0], n * size, db.shape[-1])[:, : dims.q_seq]
-    if db is not None:
-        assert row.bias is not None
-        db = db.astype(row.bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
-
-
-def _backward_chunk(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scale, block):
-    r"""Cotangents of (q, k, v, bias), in the compute dtype, one block of keys at a time; the
-    blocks outside `_block_range` hold no visible key and are skipped (a branch, not a loop
-    of dynamic length, so that the backward itself is differentiable).
+    r"""Cotangents of (q, k, v, bias) for one batch row, one block of keys at a time.
 
     With $p_a = e^{x_a - \mathrm{lse}}$: $\partial x_a = p_a(\bar o\cdot v_a - \bar o\cdot o +
     \overline{\mathrm{lse}})$, $\bar q = s\sum_a \partial x_a k_a$,
@@ -417,27 +307,13 @@ def _backward_chunk(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, sc
         current = lax.dynamic_slice_in_dim(total, start, size, axis=axis)
         return lax.dynamic_update_slice_in_dim(total, current + part, start, axis=axis)
 
-    lo, hi = _block_range(dims, row, size)
-
     def body(i, carry):
         dq, dk, dv, db = carry
         first = i * size
         start = jnp.minimum(first, dims.kv_seq - size)
         kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
         vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
-
-        def skipped(kb, vb):
-            bias_b = None
-            if has_bias:
-                assert row.bias is not None
-                bias_b = jnp.zeros((*row.bias.shape[:2], size), ct)
-            return jnp.zeros_like(qr), jnp.zeros_like(kb), jnp.zeros_like(vb), bias_b
-
-        # Under `vmap` the batch's: computed when some row sees the block (a batched
-        # predicate would run both branches and select).
-        seen = batch_coverage(jnp.where((i >= lo) & (i < hi), COVERED, SKIPPED)) != SKIPPED
-        grads = lambda kb, vb: block_grads(kb, vb, start, first)  # noqa: E731
-        dq_b, dk_b, dv_b, db_b = lax.cond(seen, grads, skipped, kb, vb)
+        dq_b, dk_b, dv_b, db_b = block_grads(kb, vb, start, first)
         dk, dv = add_at(dk, dk_b, start, ax), add_at(dv, dv_b, start, ax)
         if has_bias:
             db = add_at(db, db_b, start, 2)
@@ -450,8 +326,12 @@ def _backward_chunk(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, sc
         init = (jnp.zeros(qr.shape, ct), jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct), db0)
         init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.bias, out, lse, d_out)
         dq, dk, dv, db = lax.fori_loop(0, -(-dims.kv_seq // size), body, init)
+    dq = from_rows(dq * jnp.asarray(scale, ct), dims)
     # dk picked up q * scale already (qr is scaled).
-    return from_rows(dq * jnp.asarray(scale, ct), dims), dk, dv, db
+    if db is not None:
+        assert row.bias is not None
+        db = db.astype(row.bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
 
 
 @dataclasses.dataclass(frozen=True)
