@@ -37,7 +37,9 @@ training steps through attention (forward and gradient in q, k, v; `--masking-he
 `--dim`, float32, blockwise in blocks of 256), timed in turns round by round: causal against
 full attention at `--masking-seqs` tokens (target: about one half, the tiles above the
 diagonal skipped), and causal with block skipping off (every tile computed with its
-visibility); and at `--packed-seq` tokens, eight documents of uneven lengths packed in
+visibility); a prompt's attention (forward) through `flash_attention`'s XLA kernel at the same
+lengths, causal against full and against causal with its queries in one chunk; and at
+`--packed-seq` tokens, eight documents of uneven lengths packed in
 one row with segment ids, against one unpacked causal row of the same length (target: about
 an eighth plus the diagonal blocks), the same documents padded to the longest into a batch of
 eight rows, and `jax.nn.dot_product_attention` with the dense boolean document mask (the
@@ -554,22 +556,23 @@ def _timed_in_turns(steps: dict, args_of: dict, repeats: int) -> dict[str, list[
 
 
 @contextlib.contextmanager
-def _without_skipping():
-    """Steps compiled inside compute every blockwise tile, each with its visibility (the tile
-    bounds report nothing): block skipping off, for the comparison. jax's caches are cleared
-    on the way in and out, so that no trace made inside is reused outside, nor the reverse."""
-    from treeattn.energy import _blockwise
-
+def _patched(module, name: str, value):
+    """Steps compiled inside see `module.name = value`. jax's caches are cleared on the way in
+    and out, so that no trace made inside is reused outside, nor the reverse."""
     jax.clear_caches()
     try:
-        with mock.patch.object(_blockwise, "tile_coverage", lambda *_, **__: None):
+        with mock.patch.object(module, name, value):
             yield
     finally:
         jax.clear_caches()
 
 
 def _compiled_without_skipping(step, args) -> jax.stages.Compiled:
-    with _without_skipping():
+    """`step` compiled with block skipping off: every blockwise tile computed, each with its
+    visibility (the tile bounds report nothing)."""
+    from treeattn.energy import _blockwise
+
+    with _patched(_blockwise, "tile_coverage", lambda *_, **__: None):
         return step.lower(*args).compile()
 
 
@@ -581,6 +584,49 @@ def _temporaries(step, args) -> int:
 def _ratio(times, name, base) -> dict[str, float]:
     per_round = [t / b for t, b in zip(times[name], times[base], strict=True)]
     return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+
+
+def prefill_rows(args) -> list[dict]:
+    """A prompt's attention through `flash_attention`'s XLA kernel (the default on CPU above 16
+    query rows per kv head), forward only: causal against full, and causal with the queries in
+    one chunk (`QUERY_CHUNK` above the prompt: every key block computed for every query)."""
+    from treeattn.decode import _xla, flash_attention
+
+    heads, kv_heads, dim = 8, 2, args.dim
+    rows = []
+    print(
+        f"\nprefill through flash_attention(backend='xla'), forward, {heads} query / {kv_heads} kv "
+        f"heads of {dim}, float32; medians of {args.repeats} rounds in turns, [min, max]"
+    )
+    print(
+        f"{'seq':>6} {'full':>22} {'causal':>22} {'causal, one chunk':>22}  causal/full "
+        "[min, max]  one chunk/full"
+    )
+
+    def call(causal: bool):
+        return jax.jit(functools.partial(flash_attention, causal=causal, backend="xla"))
+
+    for seq in args.masking_seqs:
+        keys = jax.random.split(jax.random.key(7), 3)
+        q = jax.random.normal(keys[0], (1, seq, heads, dim))
+        k, v = (jax.random.normal(kk, (1, seq, kv_heads, dim)) for kk in keys[1:])
+        steps: dict = {"full": call(False), "causal": call(True)}
+        with _patched(_xla, "QUERY_CHUNK", 1 << 30):
+            steps["causal, one chunk"] = call(True).lower(q, k, v).compile()
+        times = _timed_in_turns(steps, {n: (q, k, v) for n in steps}, args.repeats)
+        ratio = _ratio(times, "causal", "full")
+        whole = _ratio(times, "causal, one chunk", "full")
+        cells = " ".join(
+            f"{statistics.median(t) * 1e3:>9.0f}ms [{min(t) * 1e3:.0f}, {max(t) * 1e3:.0f}]"
+            for t in times.values()
+        )
+        print(
+            f"{seq:>6} {cells}  {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]"
+            f"  {whole['median']:.2f} [{whole['min']:.2f}, {whole['max']:.2f}]"
+        )
+        row = {"seq": seq, "causal_over_full": ratio, "one_chunk_over_full": whole}
+        rows.append(row | {name: {"median_s": statistics.median(t)} for name, t in times.items()})
+    return rows
 
 
 def masking_rows(args) -> dict:
@@ -617,6 +663,8 @@ def masking_rows(args) -> dict:
         row = {"seq": seq, "causal_over_full": ratio, "unskipped_over_full": unskipped}
         row |= {name: {"median_s": statistics.median(t)} for name, t in times.items()}
         out["causal"].append(row)
+
+    out["prefill"] = prefill_rows(args)
 
     seq = args.packed_seq
     rng = np.random.default_rng(0)

@@ -147,6 +147,134 @@ def test_check_grads_xla_float64(getkey):
         check_grads(f, (q, k, v), order=2, modes=("rev",), eps=1e-4)
 
 
+@pytest.fixture
+def query_chunks_of_3(monkeypatch):
+    """The XLA kernel with `QUERY_CHUNK = 3`, traced afresh (jax's caches cleared on the way
+    in and out, so that no trace of another chunk size is reused), counting its joins."""
+    from treeattn.decode import _xla
+
+    joins = []
+    join = _xla._join_chunks
+    monkeypatch.setattr(_xla, "QUERY_CHUNK", 3)
+    monkeypatch.setattr(_xla, "_join_chunks", lambda *a, **kw: joins.append(1) or join(*a, **kw))
+    jax.clear_caches()
+    yield joins
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_xla_query_chunks_match_reference(block, query_chunks_of_3, getkey):
+    """A causal or windowed call with more queries than `QUERY_CHUNK` runs in chunks of
+    queries, each over the key blocks it sees (here 8 queries in chunks of 3, the last moved
+    back over a row of the one before): out, lse and the gradients of q, k, v and the bias
+    as the reference's, for rows of their own offsets and lengths, with and without a mask, a
+    window, a bias per query or broadcast over them (one key's at 100: e^100 overflows float32
+    unless taken against the row's lse), and NaN in the unfilled slots; differentiable twice."""
+    from jax.test_util import check_grads
+
+    q, k, v = make_decode_qkv(getkey, 2, 8, 4, 2, 20, 8)
+    lengths = {"q_offset": jnp.asarray([12, 5]), "kv_length": jnp.asarray([20, 13])}
+    filled = (jnp.arange(20) < lengths["kv_length"][:, None])[:, :, None, None]
+    k_nan, v_nan = (jnp.where(filled, x, jnp.nan) for x in (k, v))
+    k, v = (jnp.where(filled, x, 0.0) for x in (k, v))
+    w = jax.random.normal(getkey(), (2, 8, 4, 8))
+    mask = jax.random.bernoulli(getkey(), 0.8, (2, 1, 8, 20))
+    large = jnp.zeros((1, 4, 1, 20)).at[..., 3].set(100.0)
+    cases = (
+        (jax.random.normal(getkey(), (2, 4, 8, 20)), mask, None),
+        (large + jax.random.normal(getkey(), (1, 4, 1, 20)), None, (5, 0)),
+        (large, None, None),
+    )
+    for bias, mask_, window in cases:
+
+        def loss(backend, q, k, v, bias, mask=mask_, window=window):
+            out, lse = flash_attention(
+                q,
+                k,
+                v,
+                bias=bias,
+                mask=mask,
+                causal=True,
+                local_window_size=window,
+                backend=backend,
+                block_size=block,
+                **lengths,
+            )
+            seen = jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0)
+            return jnp.sum(out * w) + jnp.sum(seen), (out, lse)
+
+        grad = functools.partial(jax.grad, argnums=(0, 1, 2, 3), has_aux=True)
+        got, (out, lse) = grad(functools.partial(loss, "xla"))(q, k_nan, v_nan, bias)
+        want, (out_r, lse_r) = grad(functools.partial(loss, "reference"))(q, k, v, bias)
+        np.testing.assert_allclose(out, out_r, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse, lse_r, rtol=1e-5, atol=1e-5)
+        assert got[3].shape == bias.shape
+        for a, b in zip(got, want, strict=True):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert query_chunks_of_3  # the queries were cut
+    with jax.enable_x64(True):
+        q, k, v = make_decode_qkv(getkey, 1, 7, 2, 1, 9, 3, dtype=jnp.float64)
+
+        def f(q, k, v):
+            kw = {"q_offset": 2, "kv_length": 9, "block_size": block}
+            return flash_attention(q, k, v, causal=True, backend="xla", **kw)
+
+        check_grads(f, (q, k, v), order=2, modes=("rev",), eps=1e-4)
+
+
+def test_xla_query_chunks_under_shard_map(query_chunks_of_3, getkey):
+    """The chunked kernel and its backward (whose skipped blocks are zeros) inside a
+    `shard_map` that checks which values vary over the mesh: keys and their positions split
+    over 2 devices, each with its queries and bias (a `custom_vjp` input must vary as its
+    cotangent does); each device's gradients are those of its half of the keys taken alone."""
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v = make_decode_qkv(getkey, 2, 8, 4, 2, 20, 8)
+    q = jnp.stack([q, -q])
+    bias = jax.random.normal(getkey(), (2, 1, 4, 8, 10))
+    # Device d holds keys 10d .. 10d + 9: its queries sit 10d later in its own slots.
+    offset = jnp.asarray([[12, 5], [2, -5]])
+    length = jnp.asarray([[10, 10], [10, 3]])
+
+    def loss(q, k, v, bias, offset, length):
+        out, lse = flash_attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            causal=True,
+            q_offset=offset,
+            kv_length=length,
+            backend="xla",
+            block_size=4,
+        )
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    def local(q, k, v, bias, offset, length):
+        dq, dk, dv, db = grads(q[0], k, v, bias[0], offset[0], length[0])
+        return dq[None], dk, dv, db[None]
+
+    keys, device = P(None, "kv"), P("kv")
+    sharded = jax.shard_map(
+        local,
+        mesh=mesh_of(2),
+        in_specs=(device, keys, keys, device, device, device),
+        out_specs=(device, keys, keys, device),
+        check_vma=True,
+    )
+    got = jax.jit(sharded)(q, k, v, bias, offset, length)
+    for d in range(2):
+        half = slice(10 * d, 10 * d + 10)
+        want = grads(q[d], k[:, half], v[:, half], bias[d], offset[d], length[d])
+        mine = (got[0][d], got[1][:, half], got[2][:, half], got[3][d])
+        for a, b in zip(mine, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert query_chunks_of_3
+
+
 def test_flash_reference_twin_and_energy_agree(getkey):
     q, k, v = make_decode_qkv(getkey, 2, 3, 8, 2, 30, 16)
     out, _ = flash_attention(q, k, v, causal=True, q_offset=27)

@@ -22,7 +22,10 @@ import numpy as np
 from jax import lax
 
 from .._numerics import (
+    COVERED,
+    SKIPPED,
     Dims,
+    batch_coverage,
     compute_dtype,
     from_rows,
     lse_from_rows,
@@ -170,23 +173,88 @@ def _limit(dims: Dims, q_offset, kv_length, causal, window):
     return limit
 
 
+def _block_range(dims: Dims, row: Row, size: int):
+    """The blocks of `size` keys `[lo, hi)` the row's queries may see: blocks past the filled
+    length (or past the last query, when causal, or outside every query's window) hold no
+    visible key when keys are in position order; with key positions, every block."""
+    total = -(-dims.kv_seq // size)
+    if row.kv_pos is not None:
+        return 0, total
+    limit = _limit(dims, row.q_offset, row.kv_length, row.causal, row.window)
+    hi = jnp.clip((limit + size - 1) // size, 0, total)
+    lo = 0 if row.window is None else jnp.clip((row.q_offset - row.window[0]) // size, 0, hi)
+    return lo, hi
+
+
+QUERY_CHUNK = 1024
+"""A causal or windowed call with more queries than this runs in chunks of at most this many
+queries, each over only the key blocks its own queries see: the blocks above the diagonal (or
+outside the window) are skipped, forward and backward."""
+
+
+def _query_chunks(dims: Dims, row: Row) -> tuple[int, int]:
+    """`(n, size)`: the call's queries run in `n` chunks of `size` (1 chunk: not cut). The last
+    chunk is moved back to end at the last query, so it repeats rows of the one before it
+    (no padding: a padded row would see keys, and take a bias, that no real row does)."""
+    cut = row.causal or row.window is not None
+    if not cut or row.kv_pos is not None or dims.q_seq <= QUERY_CHUNK:
+        return 1, dims.q_seq
+    n = -(-dims.q_seq // QUERY_CHUNK)
+    return n, -(-dims.q_seq // n)
+
+
+def _chunk_row(row: Row, start, size: int) -> Row:
+    """The row's rules for its queries `start .. start + size - 1` (a mask or bias with a
+    query axis of size 1 is broadcast over the queries, and passed whole)."""
+
+    def cut(x):
+        if x is None or x.shape[1] == 1:
+            return x
+        return lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+    return dataclasses.replace(
+        row, q_offset=row.q_offset + start, mask=cut(row.mask), bias=cut(row.bias)
+    )
+
+
+def _join_chunks(x, q_seq: int, axis: int = 0):
+    """Chunks' results stacked in front (`[n, ..., size, ...]`, queries on `axis` of a chunk)
+    as one `[..., q_seq, ...]`: every chunk whole but the last, of which only the rows past the
+    one before it are kept."""
+    n, size = x.shape[0], x.shape[axis + 1]
+    x = jnp.moveaxis(x, axis + 1, 1)
+    own = q_seq - (n - 1) * size
+    x = jnp.concatenate([x[:-1].reshape(-1, *x.shape[2:]), x[-1, size - own :]])
+    return jnp.moveaxis(x, 0, axis)
+
+
 def _xla_row(q, k, v, row: Row, *, dims: Dims, scale, block):
-    """One batch row: online softmax over blocks of `block` keys, merged with
-    `merge_partials`. Blocks past the filled length (or past the last query, when causal, or
-    outside every query's window) are not visited, so a partly filled cache costs what its
-    filled part costs and a sliding window what the window costs."""
+    """One batch row; a causal or windowed one with many queries in chunks of queries
+    (`QUERY_CHUNK`), each over the key blocks it sees."""
+    n, size = _query_chunks(dims, row)
+    if n == 1:
+        return _xla_chunk(q, k, v, row, dims=dims, scale=scale, block=block)
+    local = dataclasses.replace(dims, q_seq=size)
+
+    def one(c):
+        start = jnp.minimum(c * size, dims.q_seq - size)
+        q_c = lax.dynamic_slice_in_dim(q, start, size)
+        row_c = _chunk_row(row, start, size)
+        return _xla_chunk(q_c, k, v, row_c, dims=local, scale=scale, block=block)
+
+    out, lse = lax.map(one, jnp.arange(n, dtype=jnp.int32))
+    return _join_chunks(out, dims.q_seq), _join_chunks(lse, dims.q_seq)
+
+
+def _xla_chunk(q, k, v, row: Row, *, dims: Dims, scale, block):
+    """Online softmax over blocks of `block` keys, merged with `merge_partials`. Only the
+    blocks of `_block_range` are visited, so a partly filled cache costs what its filled part
+    costs, a sliding window what the window costs, and a chunk of causal queries the blocks up
+    to its last query."""
     ct = compute_dtype(q.dtype)
     qr = to_rows(q.astype(ct), dims) * jnp.asarray(scale, ct)
-    size = min(block, dims.kv_seq)
-    limit = _limit(dims, row.q_offset, row.kv_length, row.causal, row.window)
-    total_blocks = -(-dims.kv_seq // size)
-    lo = 0
-    if row.kv_pos is None:  # contiguous: blocks past the limit hold no visible key
-        n_blocks = jnp.clip((limit + size - 1) // size, 0, total_blocks)
-        if row.window is not None:
-            lo = jnp.clip((row.q_offset - row.window[0]) // size, 0, n_blocks)
-    else:
-        n_blocks = total_blocks
+    size = block_size(dims, block)
+    lo, n_blocks = _block_range(dims, row, size)
     ax = dims.seq_axis
 
     def body(i, carry):
@@ -230,9 +298,10 @@ def xla_forward(
     - otherwise (a partly filled cache): an online softmax over blocks of keys, each block's
       `(out, lse)` merged with `merge_partials`; blocks past the filled length, or outside
       every query's sliding window, are not visited and the unfilled keys of the last one are
-      masked out of the values (they may hold NaN).
+      masked out of the values (they may hold NaN). A causal or windowed call of more than
+      `QUERY_CHUNK` queries runs in chunks of queries, each over the blocks it sees.
     """
-    blocked = functools.partial(_xla_row, dims=dims, scale=scale, block=block_size(dims, block))
+    blocked = functools.partial(_xla_row, dims=dims, scale=scale, block=block)
     limit = _limit(dims, q_offset, kv_length, causal, window)
     first_pos = 0 if kv_pos is None else jnp.min(kv_pos, axis=-1)
     rows = Row(q_offset, kv_length, kv_pos, mask, bias, causal, window)
@@ -258,7 +327,55 @@ def xla_forward(
 
 
 def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scale, block):
-    r"""Cotangents of (q, k, v, bias) for one batch row, one block of keys at a time.
+    """Cotangents of (q, k, v, bias) for one batch row (`_backward_chunk`); a causal or
+    windowed one with many queries in chunks of queries (`_query_chunks`), each over the key
+    blocks it sees, their key, value (and broadcast bias) cotangents summed. The rows the last
+    chunk repeats get zero cotangents there, so they add nothing twice."""
+    n, size = _query_chunks(dims, row)
+    if n == 1:
+        args = (q, k, v, row, out, lse, d_out, d_lse)
+        dq, dk, dv, db = _backward_chunk(*args, dims=dims, scale=scale, block=block)
+    else:
+        local = dataclasses.replace(dims, q_seq=size)
+        per_query_bias = row.bias is not None and row.bias.shape[1] != 1
+
+        def one(carry, c):
+            start = jnp.minimum(c * size, dims.q_seq - size)
+            q_c, out_c, lse_c, do_c, dl_c = (
+                lax.dynamic_slice_in_dim(x, start, size) for x in (q, out, lse, d_out, d_lse)
+            )
+            own = (
+                start + jnp.arange(size, dtype=jnp.int32) >= c * size
+            )  # False: repeated from chunk c - 1
+            do_c = jnp.where(own[:, None, None], do_c, jnp.zeros((), do_c.dtype))
+            dl_c = jnp.where(own[:, None], dl_c, jnp.zeros((), dl_c.dtype))
+            args = (q_c, k, v, _chunk_row(row, start, size), out_c, lse_c, do_c, dl_c)
+            dq_c, dk_c, dv_c, db_c = _backward_chunk(*args, dims=local, scale=scale, block=block)
+            dk, dv, db = carry
+            if db is not None:  # a bias broadcast over the queries
+                return (dk + dk_c, dv + dv_c, db + db_c), (dq_c, None)
+            return (dk + dk_c, dv + dv_c, db), (dq_c, db_c)
+
+        ct = compute_dtype(q.dtype)
+        db0 = None
+        if row.bias is not None and not per_query_bias:
+            db0 = jnp.zeros(row.bias.shape, ct)
+        init = (jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct), db0)
+        init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.bias, out, lse, d_out)
+        (dk, dv, db), (dq, db_chunks) = lax.scan(one, init, jnp.arange(n, dtype=jnp.int32))
+        dq = _join_chunks(dq, dims.q_seq)
+        if db_chunks is not None:  # [n, #heads, size, kv] -> [#heads, q_seq, kv]
+            db = _join_chunks(db_chunks, dims.q_seq, axis=1)
+    if db is not None:
+        assert row.bias is not None
+        db = db.astype(row.bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
+
+
+def _backward_chunk(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scale, block):
+    r"""Cotangents of (q, k, v, bias), in the compute dtype, one block of keys at a time; the
+    blocks outside `_block_range` hold no visible key and are skipped (a branch, not a loop
+    of dynamic length, so that the backward itself is differentiable).
 
     With $p_a = e^{x_a - \mathrm{lse}}$: $\partial x_a = p_a(\bar o\cdot v_a - \bar o\cdot o +
     \overline{\mathrm{lse}})$, $\bar q = s\sum_a \partial x_a k_a$,
@@ -313,25 +430,36 @@ def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scal
         start = jnp.minimum(first, dims.kv_seq - size)
         kb = lax.dynamic_slice_in_dim(k, start, size, axis=ax).astype(ct)
         vb = lax.dynamic_slice_in_dim(v, start, size, axis=ax).astype(ct)
-        dq_b, dk_b, dv_b, db_b = block_grads(kb, vb, start, first)
+
+        def skipped(kb, vb):
+            bias_b = None
+            if has_bias:
+                assert row.bias is not None
+                bias_b = jnp.zeros((*row.bias.shape[:2], size), ct)
+            zeros = (jnp.zeros_like(qr), jnp.zeros_like(kb), jnp.zeros_like(vb), bias_b)
+            return match_vma(zeros, *vma_refs)
+
+        # Under `vmap` the batch's: computed when some row sees the block (a batched
+        # predicate would run both branches and select).
+        seen = batch_coverage(jnp.where((i >= lo) & (i < hi), COVERED, SKIPPED)) != SKIPPED
+        grads = lambda kb, vb: block_grads(kb, vb, start, first)  # noqa: E731
+        dq_b, dk_b, dv_b, db_b = lax.cond(seen, grads, skipped, kb, vb)
         dk, dv = add_at(dk, dk_b, start, ax), add_at(dv, dv_b, start, ax)
         if has_bias:
             db = add_at(db, db_b, start, 2)
         return dq + dq_b, dk, dv, db
 
+    vma_refs = (q, k, v, row.q_offset, row.kv_length, row.mask, row.bias, out, lse, d_out, d_lse)
+    lo, hi = _block_range(dims, row, size)
     if size >= dims.kv_seq:
         dq, dk, dv, db = block_grads(k.astype(ct), v.astype(ct), 0, 0)
     else:
         db0 = None if row.bias is None else jnp.zeros(row.bias.shape, ct)
         init = (jnp.zeros(qr.shape, ct), jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct), db0)
-        init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.bias, out, lse, d_out)
+        init = match_vma(init, *vma_refs)
         dq, dk, dv, db = lax.fori_loop(0, -(-dims.kv_seq // size), body, init)
-    dq = from_rows(dq * jnp.asarray(scale, ct), dims)
     # dk picked up q * scale already (qr is scaled).
-    if db is not None:
-        assert row.bias is not None
-        db = db.astype(row.bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db
+    return from_rows(dq * jnp.asarray(scale, ct), dims), dk, dv, db
 
 
 @dataclasses.dataclass(frozen=True)
