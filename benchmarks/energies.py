@@ -590,7 +590,7 @@ def prefill_rows(args) -> list[dict]:
     """A prompt's attention through `flash_attention`'s XLA kernel (the default on CPU above 16
     query rows per kv head), forward only: causal against full, and causal with the queries in
     one chunk (`QUERY_CHUNK` above the prompt: every key block computed for every query)."""
-    from treeattn.decode import _xla, flash_attention
+    from treeattn.decode import _xla
 
     heads, kv_heads, dim = 8, 2, args.dim
     rows = []
