@@ -403,7 +403,9 @@ def _backward_chunk(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, sc
         logits = jnp.einsum(f"kmd,{ks}->kmb", qr, kb)
         if bias is not None:
             logits = logits + bias.astype(ct)
-        p = jnp.where(vis, jnp.exp(logits - lse_safe[..., None]), 0.0)
+        # Hidden logits leave the exponential (not its result): e^(x - lse) of a hidden key
+        # with a large bias overflows, and a second derivative through `where` is 0 * inf.
+        p = jnp.exp(jnp.where(vis, logits - lse_safe[..., None], -jnp.inf))
         dp = jnp.einsum(f"kmv,{vs}->kmb", do, vb)
         dx = jnp.where(vis, p * (dp - delta[..., None]), 0.0)
         dq_b = jnp.einsum(f"kmb,{ks}->kmd", dx, kb)
