@@ -344,9 +344,8 @@ def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scal
             q_c, out_c, lse_c, do_c, dl_c = (
                 lax.dynamic_slice_in_dim(x, start, size) for x in (q, out, lse, d_out, d_lse)
             )
-            own = (
-                start + jnp.arange(size, dtype=jnp.int32) >= c * size
-            )  # False: repeated from chunk c - 1
+            # False for the rows the last chunk repeats from the one before it.
+            own = start + jnp.arange(size, dtype=jnp.int32) >= c * size
             do_c = jnp.where(own[:, None, None], do_c, jnp.zeros((), do_c.dtype))
             dl_c = jnp.where(own[:, None], dl_c, jnp.zeros((), dl_c.dtype))
             args = (q_c, k, v, _chunk_row(row, start, size), out_c, lse_c, do_c, dl_c)
@@ -361,7 +360,8 @@ def _backward_row(q, k, v, row: Row, out, lse, d_out, d_lse, *, dims: Dims, scal
         if row.bias is not None and not per_query_bias:
             db0 = jnp.zeros(row.bias.shape, ct)
         init = (jnp.zeros(k.shape, ct), jnp.zeros(v.shape, ct), db0)
-        init = match_vma(init, q, k, v, row.q_offset, row.kv_length, row.bias, out, lse, d_out)
+        refs = (q, k, v, row.q_offset, row.kv_length, row.mask, row.bias, out, lse, d_out, d_lse)
+        init = match_vma(init, *refs)
         (dk, dv, db), (dq, db_chunks) = lax.scan(one, init, jnp.arange(n, dtype=jnp.int32))
         dq = _join_chunks(dq, dims.q_seq)
         if db_chunks is not None:  # [n, #heads, size, kv] -> [#heads, q_seq, kv]
