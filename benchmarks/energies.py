@@ -9,6 +9,7 @@
     python benchmarks/energies.py --linear   # also: a LinearKernel model's decode step, 1K vs 32K
     python benchmarks/energies.py --diagnostics  # only: entropy and received attention vs attention
     python benchmarks/energies.py --masking  # only: causal vs full, packed vs padded, skipping
+    python benchmarks/energies.py --prefill  # only: prompts through the XLA kernel and a model
 
 Per energy: run time and compiled FLOPs of `energy_attention(..., energy=E)` against the
 attention of that energy written out in jnp (materialised weights times V, the same causal
@@ -48,7 +49,10 @@ what runs after it), and the packed step with block skipping off — tokens per 
 compiled temporaries; then a whole `Transformer`'s
 training step (`lm_loss`, 4 layers) on two rows of `--packed-seq` tokens of 8 and 5 packed
 documents against the same rows unpacked. Every timed call follows an untimed one of the same
-step: the state of a training loop.
+step: the state of a training loop. With `--prefill` (on its own, written to
+`results/energies_prefill.json`): the XLA kernel's prompt table above at `--masking-seqs`
+tokens, then a 4-layer `Transformer`'s prompt into its KV cache through the default
+`"energy"` backend, `"flash"`, and `"flash"` with its queries in one chunk, timed in turns.
 """
 
 from __future__ import annotations
@@ -586,7 +590,7 @@ def _ratio(times, name, base) -> dict[str, float]:
     return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
 
 
-def prefill_rows(args) -> list[dict]:
+def prefill_rows(args, *, model: bool = False) -> list[dict] | dict:
     """A prompt's attention through `flash_attention`'s XLA kernel (the default on CPU above 16
     query rows per kv head), forward only: causal against full, and causal with the queries in
     one chunk (`QUERY_CHUNK` above the prompt: every key block computed for every query)."""
@@ -625,6 +629,56 @@ def prefill_rows(args) -> list[dict]:
             f"  {whole['median']:.2f} [{whole['min']:.2f}, {whole['max']:.2f}]"
         )
         row = {"seq": seq, "causal_over_full": ratio, "one_chunk_over_full": whole}
+        rows.append(row | {name: {"median_s": statistics.median(t)} for name, t in times.items()})
+    if model:
+        one_chunk = functools.partial(_patched, _xla, "QUERY_CHUNK", 1 << 30)
+        return {"kernel": rows, "model": model_prefill_rows(args, one_chunk)}
+    return rows
+
+
+def model_prefill_rows(args, one_chunk) -> list[dict]:
+    """A whole model's prompt into its KV cache (the program `prefill` runs: 4 layers of 512,
+    8 query / 2 kv heads of 64, float32), per attention backend: the default `"energy"`
+    (blockwise, tiles above the diagonal skipped), `"flash"` (the XLA kernel on CPU, queries in
+    chunks) and `"flash"` with its queries in one chunk (`one_chunk`: a context in which the
+    step compiles so)."""
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=max(args.masking_seqs),
+    )
+    model = Transformer(config, key=jax.random.key(7))
+    rows = []
+    print(
+        "\nprefill of a Transformer (4 layers of 512, 8 query / 2 kv heads of 64, float32) into "
+        f"its cache; medians of {args.repeats} rounds in turns, [min, max]"
+    )
+    print(f"{'seq':>6} {'energy':>22} {'flash':>22} {'flash, one chunk':>22}  flash/one chunk")
+
+    def step(backend: str):
+        return eqx.filter_jit(lambda m, t, c: m(t, c, backend=backend))
+
+    for seq in args.masking_seqs:
+        tokens = jax.random.randint(jax.random.key(1), (seq,), 0, config.vocab_size)
+        cache = model.init_cache(seq)
+        steps: dict = {
+            "energy": step("energy").lower(model, tokens, cache).compile(),
+            "flash": step("flash").lower(model, tokens, cache).compile(),
+        }
+        with one_chunk():
+            steps["flash, one chunk"] = step("flash").lower(model, tokens, cache).compile()
+        times = _timed_in_turns(steps, {n: (model, tokens, cache) for n in steps}, args.repeats)
+        ratio = _ratio(times, "flash", "flash, one chunk")
+        cells = " ".join(
+            f"{statistics.median(t) * 1e3:>9.0f}ms [{min(t) * 1e3:.0f}, {max(t) * 1e3:.0f}]"
+            for t in times.values()
+        )
+        print(f"{seq:>6} {cells}  {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
+        row = {"seq": seq, "flash_over_one_chunk": ratio}
         rows.append(row | {name: {"median_s": statistics.median(t)} for name, t in times.items()})
     return rows
 
@@ -831,6 +885,9 @@ def main() -> None:
     parser.add_argument("--masking-seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--masking-heads", type=int, default=4)
     parser.add_argument("--packed-seq", type=int, default=8192)
+    parser.add_argument(
+        "--prefill", action="store_true", help="only: prompts, the XLA kernel and a whole model"
+    )
     args = parser.parse_args()
     if args.decode:  # before JAX starts its backends
         jax.config.update("jax_num_cpu_devices", 8)
@@ -838,6 +895,12 @@ def main() -> None:
         args.seq, args.heads, args.dim, args.repeats = 256, 4, 32, 3
         args.decode_seq, args.decode_batch = 1024, 2
     print(f"machine: {machine()}")
+    if args.prefill:
+        rows = prefill_rows(args, model=True)
+        assert isinstance(rows, dict)
+        payload = {"machine": machine(), "args": vars(args), **rows}
+        print(f"\nwrote {write_json('energies_prefill', payload)}")
+        return
     if args.masking:
         payload = {"machine": machine(), "args": vars(args), **masking_rows(args)}
         print(f"\nwrote {write_json('energies_masking', payload)}")
