@@ -32,9 +32,9 @@ from treeattn.models._layers import _native
 KV_SEQ = 1103  # blocks of 512, 512 and 79 keys: a tail of 3 after groups of 4
 
 
-# One sequence with one kv head: its keys are split over the threads (ranges of at least
-# 1024 keys, so 4 here) and the splits merged. A window leaves the first splits without a
-# visible key; shuffled positions give every split keys every row sees and keys none sees.
+# One sequence with one kv head: the keys it reads are split over the threads (ranges of at
+# least 1024 keys: 3 splits causal, 2 in the window) and the splits merged. Shuffled positions
+# (all 4,700 slots read, 4 splits) give every split keys every row sees and keys none sees.
 SPLIT_SEQ = 4700
 
 
@@ -265,7 +265,7 @@ def test_exp_over_the_logit_range():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "window, positions",
-    [(None, False), ((1500, 0), False), ((900, 30), True)],
+    [(None, False), ((2600, 0), False), ((900, 30), True)],
     ids=["causal", "window", "window-positions"],
 )
 def test_split_keys_match_numpy(window, positions, dtype):

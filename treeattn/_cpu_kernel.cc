@@ -33,6 +33,7 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -382,6 +383,20 @@ struct Partial {
   float* acc;
 };
 
+// The slots [first, end) a batch row with query offset `offset` and filled length `length`
+// reads. Keys in position order (no kv_pos): slots past the filled length (or the last query,
+// or the right edge of the last query's window) are not read, nor those before the first
+// query's window. With kv_pos, every slot.
+inline std::pair<int64_t, int64_t> read_slots(const Dims& d, int64_t offset, int64_t length) {
+  if (d.has_pos) return {0, d.kv_seq};
+  int64_t limit = length;
+  if (d.causal) limit = std::min(limit, offset + d.q_seq);
+  if (d.right >= 0) limit = std::min(limit, offset + d.q_seq + d.right);
+  const int64_t end = std::clamp<int64_t>(limit, 0, d.kv_seq);
+  const int64_t first = d.left >= 0 ? std::clamp<int64_t>(offset - d.left, 0, end) : 0;
+  return {first, end};
+}
+
 // One (batch row, kv head), over split `split` of `splits` equal ranges of the keys it reads:
 // rows r = j * q_seq + t for head h * group + j, query t.
 template <typename T>
@@ -413,16 +428,7 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
   }
   // Query positions run from offset to offset + q_seq - 1 in every head.
   const int64_t qmin = offset, qmax = offset + d.q_seq - 1;
-  // Keys in position order: slots past the filled length (or the last query, or the right edge
-  // of the last query's window) are not read, nor those before the first query's window.
-  int64_t slots = d.kv_seq, first = 0;
-  if (!d.has_pos) {
-    int64_t limit = length;
-    if (d.causal) limit = std::min(limit, offset + d.q_seq);
-    if (d.right >= 0) limit = std::min(limit, offset + d.q_seq + d.right);
-    slots = std::clamp<int64_t>(limit, 0, d.kv_seq);
-    if (d.left >= 0) first = std::clamp<int64_t>(offset - d.left, 0, slots);
-  }
+  const auto [first, slots] = read_slots(d, offset, length);
   // This split's share of [first, slots).
   const int64_t per = (slots - first + splits - 1) / splits;
   const int64_t lo = std::min(slots, first + split * per), hi = std::min(slots, lo + per);
@@ -631,11 +637,18 @@ void run_all(const Dims& d, ffi::ThreadPool& pool, const void* q, const void* k,
   // Work items are (batch row, kv head, split of its keys): with fewer (batch row, kv head)
   // pairs than a few per thread (one sequence with few kv heads), each one's keys are split so
   // that every thread streams its share, and the splits are merged after.
+  // Splits are counted from the keys the rows read, not the cache's capacity: a short fill
+  // of a long cache would otherwise start threads for empty splits on every step.
   const int64_t items = d.batch * d.kv_heads, threads = std::max<int64_t>(1, pool.num_threads());
   int64_t splits = 1;
   if (items < 4 * threads) {
+    int64_t span = 0;
+    for (int64_t b = 0; b < d.batch; ++b) {
+      const auto [first, end] = read_slots(d, q_offset[b], kv_length[b]);
+      span = std::max(span, end - first);
+    }
     splits = std::clamp<int64_t>((4 * threads + items - 1) / items, 1,
-                                 std::max<int64_t>(1, d.kv_seq / kMinSplit));
+                                 std::max<int64_t>(1, span / kMinSplit));
   }
   const int64_t rows = d.group() * d.q_seq, width = rows * (d.dv + 2);
   std::vector<float> state(items * splits * width);
