@@ -12,48 +12,46 @@
     python benchmarks/energies.py --prefill  # only: prompts through the XLA kernel and a model
 
 Per energy: run time and compiled FLOPs of `energy_attention(..., energy=E)` against the
-attention of that energy written out in jnp (materialised weights times V, the same causal
-mask, float32; stick-breaking with one softplus and a reverse `lax.cumsum`), timed in
-alternating rounds of the same run. Targets: within 1.15x of the hand-written time and 1.05x
-of its FLOPs. With `--memory`: the compiled temporaries
-(`memory_analysis().temp_size_in_bytes`) of training through attention (forward + gradient in
-q, k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32, blockwise with blocks of 512
-(target: below 1 GiB; the logits alone are 8 GiB), for every energy and for the default
-`Softmax()` (which goes blockwise by itself at that size); then the time of that training step,
-blockwise (blocks of 256, the automatic size) vs materialised (`block_size=kv_seq`), at
-`--train-seq` tokens (default 2048) where both fit, the two alternated round by round (target:
-within 1.3x). With `--decode`: one decode step (a query per row against a cache of
-`--decode-seq` keys) of each energy, `tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8
-simulated CPU devices and `flash_attention(energy=E)` on one: medians of interleaved runs
-(ratios within one run) and the bytes each device sends, read from the compiled HLO. With
-`--linear`: the decode step of a small LinearKernel decoder at a context of 1K and of 32K
-tokens, against its linear state (`LinearCache`, constant size) and against a KV cache of the
-same energy (`linear_state=False`). With `--diagnostics` (on its own, written to
-`results/energies_diagnostics.json`): `attention_entropy` and `received_attention` against
-`energy_attention` alone (forward, causal, float32, the default `Softmax()`) on a grid of
-sequence lengths (`--diagnostics-seqs`; above 2^26 logits all three run blockwise), the three
-timed in turns round by round (target: each within 1.5x of attention, the median of the
-per-round ratios). With `--masking` (on its own, written to `results/energies_masking.json`):
-training steps through attention (forward and gradient in q, k, v; `--masking-heads` heads of
-`--dim`, float32, blockwise in blocks of 256), timed in turns round by round: causal against
-full attention at `--masking-seqs` tokens (target: about one half, the tiles above the
-diagonal skipped), and causal with block skipping off (every tile computed with its
-visibility); a prompt's attention (forward) through `flash_attention`'s XLA kernel at the same
-lengths, causal against full and against causal with its queries in one chunk; and at
-`--packed-seq` tokens, eight documents of uneven lengths packed in
-one row with segment ids, against one unpacked causal row of the same length (target: about
-an eighth plus the diagonal blocks), the same documents padded to the longest into a batch of
-eight rows, and `jax.nn.dot_product_attention` with the dense boolean document mask (the
-baseline a user has today; timed last, in turns with the packed step again, as its 4 GiB slow
-what runs after it), and the packed step with block skipping off — tokens per second and
-compiled temporaries; then a whole `Transformer`'s
-training step (`lm_loss`, 4 layers) on two rows of `--packed-seq` tokens of 8 and 5 packed
-documents against the same rows unpacked. Every timed call follows an untimed one of the same
-step: the state of a training loop. With `--prefill` (on its own, written to
+attention of that energy written out in jnp (materialised weights times V, the same causal mask,
+float32; stick-breaking with one softplus and a reverse `lax.cumsum`), timed in alternating
+rounds of the same run. Targets: within 1.15x of the hand-written time and 1.05x of its FLOPs
+(those of the materialised form: a blockwise loop's body is counted once by `cost_analysis()`,
+and causal calls above 2^23 logits go blockwise). With `--memory`: the compiled temporaries
+(`memory_analysis().temp_size_in_bytes`) of training through attention (forward + gradient in q,
+k, v) at q = kv = 16,384 tokens, 8 heads of 64, float32, blockwise with blocks of 512 (target:
+below 1 GiB; the logits alone are 8 GiB), for every energy and for the default `Softmax()`
+(which goes blockwise by itself at that size); then the time of that training step, blockwise
+(blocks of 256, the automatic size) vs materialised (`block_size=kv_seq`), at `--train-seq`
+tokens (default 2048) where both fit, the two alternated round by round (target: within 1.3x).
+With `--decode`: one decode step (a query per row against a cache of `--decode-seq` keys) of
+each energy, `tree_decode(energy=E)` vs `ring_decode(energy=E)` over 8 simulated CPU devices and
+`flash_attention(energy=E)` on one: medians of interleaved runs (ratios within one run) and the
+bytes each device sends, read from the compiled HLO. With `--linear`: the decode step of a small
+LinearKernel decoder at a context of 1K and of 32K tokens, against its linear state
+(`LinearCache`, constant size) and against a KV cache of the same energy (`linear_state=False`).
+With `--diagnostics` (on its own, written to `results/energies_diagnostics.json`):
+`attention_entropy` and `received_attention` against `energy_attention` alone (forward, causal,
+float32, the default `Softmax()`) on a grid of sequence lengths (`--diagnostics-seqs`; above
+2^23 logits all three run blockwise), the three timed in turns round by round (target: each
+within 1.5x of attention, the median of the per-round ratios). With `--masking` (on its own,
+written to `results/energies_masking.json`): training steps through attention (forward and
+gradient in q, k, v; `--masking-heads` heads of `--dim`, float32, blockwise in blocks of 256),
+timed in turns round by round: causal against full attention at `--masking-seqs` tokens (target:
+about one half, the tiles above the diagonal skipped), and causal with block skipping off (every
+tile computed with its visibility); a prompt's attention (forward) through `flash_attention`'s
+XLA kernel at the same lengths, causal against full and against causal with its queries in one
+chunk; and at `--packed-seq` tokens, eight documents of uneven lengths packed in one row with
+segment ids, against one unpacked causal row of the same length (target: about an eighth plus
+the diagonal blocks), the same documents padded to the longest into a batch of eight rows, and
+`jax.nn.dot_product_attention` with the dense boolean document mask (the baseline a user has
+today; timed last, in turns with the packed step again, as its 4 GiB slow what runs after it),
+and the packed step with block skipping off — tokens per second and compiled temporaries; then a
+whole `Transformer`'s training step (`lm_loss`, 4 layers) on two rows of `--packed-seq` tokens
+of 8 and 5 packed documents against the same rows unpacked. Every timed call follows an untimed
+one of the same step: the state of a training loop. With `--prefill` (on its own, written to
 `results/energies_prefill.json`): the XLA kernel's prompt table above at `--masking-seqs`
-tokens, then a 4-layer `Transformer`'s prompt into its KV cache through the default
-`"energy"` backend, `"flash"`, and `"flash"` with its queries in one chunk, timed in turns.
-"""
+tokens, then a 4-layer `Transformer`'s prompt into its KV cache through the default `"energy"`
+backend, `"flash"`, and `"flash"` with its queries in one chunk, timed in turns."""
 
 from __future__ import annotations
 
@@ -419,6 +417,11 @@ ATTENTION_GRID = ((512, 8, 64), (1024, 8, 64), (2048, 8, 64), (1024, 4, 128), (1
 """`--grid`: (tokens, heads, head size) of the per-energy table."""
 
 
+def grad_f_in_one_block(q, k, v, *, energy):
+    """`energy_attention` materialised (one block of every key), whatever its size."""
+    return energy_attention(q, k, v, causal=True, energy=energy, block_size=k.shape[0])
+
+
 def attention_rows(args) -> list[dict]:
     """Per energy and shape: attention by gradient vs by hand, time and FLOPs; with more than
     one shape, each energy's worst and median cell."""
@@ -442,6 +445,10 @@ def attention_rows(args) -> list[dict]:
             same = jnp.max(jnp.abs(by_hand(name)(q, k, v) - grad_f(q, k, v)))
             assert same < 1e-4, f"{name}: by hand and grad F differ by {float(same):.2e}"
             hand, grad, time_ratio = interleaved(by_hand(name), grad_f, (q, k, v), args.repeats)
+            # A blockwise loop's body is counted once by cost_analysis(): the FLOPs are read
+            # from the materialised form (one block, every tile; the arithmetic of the energy).
+            whole = functools.partial(grad_f_in_one_block, energy=energy)
+            grad["flops"] = compile_and_time(whole, q, k, v, repeats=1, warmup=0)["flops"]
             flop_ratio = grad["flops"] / hand["flops"]
             shape = f"{seq}x{heads}x{dim}"
             rows.append({"energy": name, "shape": shape, "seq": seq, "heads": heads, "dim": dim})
@@ -516,12 +523,11 @@ def diagnostics_rows(args) -> list[dict]:
             for name in ("entropy", "received")
         }
         ok &= all(r <= DIAGNOSTICS_TARGET for r in ratios.values())
-        # Which path attention takes, and which the diagnostics (F for its gradient) take.
+        # Which path attention takes (causal: above CAUSAL_ELEMENTS of energy/_blockwise), and
+        # which the diagnostics take (F for its gradient: above GRADIENT_ELEMENTS).
         logits = seq * seq * args.heads
-        path = "/".join(
-            "blockwise" if logits > limit else "materialised"
-            for limit in (1 << 26, 1 << 22)  # AUTO_ELEMENTS, GRADIENT_ELEMENTS (energy/_blockwise)
-        )
+        limits = (1 << 23, 1 << 22)
+        path = "/".join("blockwise" if logits > n else "materialised" for n in limits)
         cells = " ".join(
             f"{statistics.median(t) * 1e3:>8.1f}ms [{min(t) * 1e3:.0f}, {max(t) * 1e3:.0f}]".rjust(
                 24

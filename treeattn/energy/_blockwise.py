@@ -64,13 +64,27 @@ longer fit in cache (received attention at 1,024 tokens, 8 heads: 44 ms material
 blockwise)."""
 
 
-def choose_block(dims: Dims, block_size: int | None, elements: int = AUTO_ELEMENTS) -> int | None:
+CAUSAL_ELEMENTS = 1 << 23
+"""The threshold for causal self-attention (as many queries as keys, of `AUTO_ELEMENTS`):
+blockwise evaluation skips about half of its tiles, while the materialised form pays
+logits-sized passes for the mask (measured from $2^{24}$ logits on the 2-core CPU of the
+benchmarks, `docs/energies.md`)."""
+
+
+def choose_block(
+    dims: Dims,
+    block_size: int | None,
+    elements: int = AUTO_ELEMENTS,
+    causal: bool = False,
+) -> int | None:
     """The block size to use: `block_size` if given (0: never), else `AUTO_BLOCK` above
-    `elements` logits."""
+    `elements` logits (above `CAUSAL_ELEMENTS` for causal self-attention, if fewer)."""
     if block_size == 0:
         return None
     if block_size is not None:
         return block_size if block_size < dims.kv_seq else None
+    if causal and dims.q_seq == dims.kv_seq:
+        elements = min(elements, CAUSAL_ELEMENTS)
     if dims.kv_heads * dims.rows * dims.kv_seq > elements:
         return AUTO_BLOCK
     return None

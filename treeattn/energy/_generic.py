@@ -58,7 +58,7 @@ def free_energy_terms(
     block (see `total_energy`), else from the materialised logits. `window` is a sliding window
     by absolute position; `masking` the other rules of visibility (segments, prefix, chunks)."""
     dims = dims_of(q, k, v)
-    block = choose_block(dims, block_size)
+    block = choose_block(dims, block_size, causal=causal)
     if block is not None:
         kw = {"block": block, "causal": causal, "scale": scale, "at_zero": at_zero}
         kw |= {"window": window, "masking": masking}
@@ -114,7 +114,7 @@ def attention(
     when `choose_block` picks a block, else the materialised $F$ and its pullback. `window` is a
     sliding window by absolute position."""
     dims = dims_of(q, k, v)
-    block = choose_block(dims, block_size)
+    block = choose_block(dims, block_size, causal=causal)
     if block is not None:
         kw = {"block": block, "causal": causal, "scale": scale, "window": window}
         kw["masking"] = masking
