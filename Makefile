@@ -6,7 +6,7 @@
 # Each creates and fills its own virtual environment when it is missing.
 #
 # JAX=<version> selects the jax/jaxlib release (default: the newest on the index); CI runs the
-# suite at both ends of the supported range:  make test JAX=0.8.1
+# full suite on the newest and the fast tier on the oldest:  make test-fast JAX=0.8.1
 PYTHON ?= python3
 JAX ?= latest
 PYTEST_ARGS ?=

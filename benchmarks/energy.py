@@ -8,10 +8,11 @@ Also shown: `attention_reference` (the float32 twin) and the naive `jax.grad` of
 at zeta = 0, which pays for the product zeta.v that `energy_attention` skips.
 Targets: energy_attention within 1.15x of the baseline's time and 1.05x of its FLOPs.
 
-Above 2^26 logits `energy_attention` is evaluated blockwise by itself, in a loop whose body
-`cost_analysis()` counts once; so FLOPs are also read from the same call with `block_size` =
-kv_seq (one block: materialised, the same arithmetic in one piece), which is also timed. (The
-default shape has exactly 2^26 logits: both rows are materialised.)
+Above 2^26 logits (2^23 for causal self-attention) `energy_attention` is evaluated blockwise
+by itself, in a loop whose body `cost_analysis()` counts once; so FLOPs are also read from the
+same call with `block_size` = kv_seq (one block: materialised, the same arithmetic in one
+piece), which is also timed. (The default shape has exactly 2^26 logits: the full rows are
+materialised, the causal rows blockwise.)
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def attention_entropy(
       = \log\sum_a e^{x_a} - \sum_a p_a x_a = -\sum_a p_a \log p_a .$$
 
     One reverse-mode gradient in a $\beta$ per (query, head) gives every row at once, through
-    the path that evaluates $F$ (blockwise above 2^26 logits or with `block_size`: O(N d)
+    the path that evaluates $F$ (blockwise above 2^22 logits or with `block_size`: O(N d)
     memory).
 
     What it is for each energy ($\beta$ multiplies the energy's own logits $x_a$, after its

@@ -207,7 +207,7 @@ def multihead_free_energy(
     - `energy`: the [`Energy`][treeattn.energy.Energy]; default `Softmax()`, the formula above.
     - `block_size`: evaluate in blocks of this many keys, in O(N d) memory with an exact
       gradient (a custom VJP). By default every energy does so by itself above 2^26
-      logits.
+      logits, or 2^23 for causal self-attention (as many queries as keys).
 
     **Returns:** the scalar $F_\mathrm{tot}$ in float32 (float64 for float64 inputs). A query
     with no visible key has $F_{i,h} = -\infty$ (an empty partition function), which makes
@@ -333,8 +333,9 @@ def energy_attention(
     **Arguments:** as [`multihead_free_energy`][treeattn.energy.multihead_free_energy], without
     `zeta`. With another `energy`, the output is that energy's $\partial F/\partial\zeta$ at 0
     (e.g. $\sum_a \sigma(x_a + b)\,v_a$ for [`Sigmoid`][treeattn.energy.Sigmoid]). Above 2^26
-    logits, or with `block_size`, every energy (the default too) is evaluated in tiles of
-    queries and keys with a custom VJP of its own, so that training through the output holds
+    logits (2^23 for causal self-attention), or with `block_size`, every energy (the default
+    too) is evaluated in tiles of queries and keys with a custom VJP of its own, so that
+    training through the output holds
     O(N d) memory rather than the logits (see the energies page). `return_free_energy=True`
     also returns $F_{i,h}(0)$, the free energy of every query and head (for softmax the
     log-sum-exp of its logits, jax's `return_residual`), differentiable like the output.
