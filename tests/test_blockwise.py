@@ -226,16 +226,22 @@ def test_training_memory(energy, block_size):
 
 
 @pytest.mark.parametrize(
-    "n, causal, blockwise",
-    [(2048, True, True), (1024, True, False), (2048, False, False)],
-    ids=["causal-2^24", "causal-2^22", "full-2^24"],
+    "n, heads, causal, blockwise",
+    [
+        (2048, 4, True, True),
+        (2048, 3, True, True),
+        (2048, 2, True, False),
+        (1024, 4, True, False),
+        (2048, 4, False, False),
+    ],
+    ids=["causal-2^24", "causal-1.5x2^23", "causal-2^23", "causal-2^22", "full-2^24"],
 )
-def test_causal_self_attention_goes_blockwise_sooner(n, causal, blockwise):
+def test_causal_self_attention_goes_blockwise_sooner(n, heads, causal, blockwise):
     """Causal self-attention goes blockwise by itself above 2^23 logits (half of its tiles
-    skipped there); without a mask a call stays materialised up to 2^26. Read from the compiled
-    forward (4 heads): the blockwise form is a loop over blocks of keys, the materialised one
-    has none."""
-    x = jax.ShapeDtypeStruct((n, 4, 8), jnp.float32)
+    skipped there) and stays materialised at 2^23; without a mask a call stays materialised up
+    to 2^26. Read from the compiled forward: the blockwise form is a loop over blocks of keys,
+    the materialised one has none."""
+    x = jax.ShapeDtypeStruct((n, heads, 8), jnp.float32)
     attend = functools.partial(energy_attention, causal=causal)
     text = jax.jit(attend).lower(x, x, x).compile().as_text()
     assert (" while(" in text) == blockwise

@@ -112,11 +112,13 @@ def test_tiles_match_numpy(group, q_seq, qk, dv, dtype, layout, causal):
 
 def windowed(q, k, v, *, kv_length, q_offset, window, shuffle):
     """(the cpu kernel's (out, lse), float64 NumPy's) for causal queries at `q_offset` over a
-    bhsd cache of `kv_length` tokens and a sliding `window` (None: none); `shuffle`: the
-    cache's slots hold the positions in a random order (`kv_positions`)."""
+    bhsd cache of `kv_length` tokens (each an int, or one per batch row) and a sliding `window`
+    (None: none); `shuffle`: the cache's slots hold the positions in a random order
+    (`kv_positions`)."""
     batch, q_seq, heads = q.shape[:3]
     kv_seq = k.shape[1]
-    kv_length, q_offset = np.array([kv_length]), np.array([q_offset])
+    kv_length = np.broadcast_to(np.asarray(kv_length), (batch,))
+    q_offset = np.broadcast_to(np.asarray(q_offset), (batch,))
     vis = ref.decode_visible(
         batch,
         q_seq,
@@ -275,6 +277,18 @@ def test_split_keys_match_numpy(window, positions, dtype):
     check(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_split_keys_of_uneven_rows(dtype):
+    """Two rows share one split count (4 on two threads or more, from the longer row's 4,321
+    keys): the shorter row reads 3 keys, one per split, and its last split is empty, which the
+    merge must pass over."""
+    group, q_seq, d = 3, 2, 64
+    q, k, v = inputs(9, 2, q_seq, group, 1, d, d, dtype, kv_seq=SPLIT_SEQ)
+    lengths, offsets = [4321, 3], [4000, 1]
+    got, want = windowed(q, k, v, kv_length=lengths, q_offset=offsets, window=None, shuffle=False)
+    check(got, want, dtype)
+
+
 # The few-row products: rows in register groups of up to 8 (AVX-512; 4 otherwise) split evenly,
 # weight rows in tiles of 4, 3, 2 or 1 plus a remainder, inputs of whole vectors and with a
 # tail, several weights in one call (a layer's q, k and v).
@@ -313,7 +327,7 @@ def test_products_of_a_large_weight_are_shared_by_the_threads():
 
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
-EXPECTED_NARROW = len(CASES) + 2 + 1 + 6 + len(PRODUCT_ROWS) * 3 * 2 + 1
+EXPECTED_NARROW = len(CASES) + 2 + 1 + 6 + 2 + len(PRODUCT_ROWS) * 3 * 2 + 1
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 
 

@@ -626,8 +626,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
   }
 }
 
-// Keys per split at least: a split's fixed cost (its query rows, its partial state, the merge)
-// stays small beside its keys.
+// Keys per split at least, for the row that reads the most keys (the split count is shared by
+// every row of the call; a shorter row's splits are shorter, or empty): a split's fixed cost
+// (its query rows, its partial state, the merge) stays small beside its keys.
 constexpr int64_t kMinSplit = 1024;
 
 template <typename T>
@@ -640,6 +641,7 @@ void run_all(const Dims& d, ffi::ThreadPool& pool, const void* q, const void* k,
   // Splits are counted from the keys the rows read, not the cache's capacity: a short fill
   // of a long cache would otherwise start threads for empty splits on every step.
   const int64_t items = d.batch * d.kv_heads, threads = std::max<int64_t>(1, pool.num_threads());
+  if (items == 0) return;  // no rows (XLA drops such calls; the split count divides by items)
   int64_t splits = 1;
   if (items < 4 * threads) {
     int64_t span = 0;
