@@ -4,6 +4,7 @@
     python benchmarks/decode.py --quick          # p = 1, 8; context 16K, 64K; fp32
     python benchmarks/decode.py --contexts 1048576 --dtypes bfloat16 --no-ring
     python benchmarks/decode.py --heads 12 --kv-heads 4 --dim 64 --name decode_gqa  # GQA
+    python benchmarks/decode.py --kernel-grid    # only: the cpu kernel over a grid of shapes
 
 One decode step (batch 1, one query, 16 heads of 128 unless told) against a KV cache sharded
 along the sequence over p simulated CPU devices, in the library's recommended head-major layout
@@ -15,6 +16,14 @@ in the same rounds; collectives and bytes per device from the compiled HLO (loop
 trip counts) and peak memory from XLA's memory analysis, beside the paper's formulas (29)-(35).
 Compile time is reported apart. The same script runs unchanged on GPUs (it uses whatever devices
 JAX sees, simulating CPU devices only when the backend is the CPU).
+
+With `--kernel-grid` (on its own, written to `results/decode_kernel.json`): one decode step of
+one sequence through the C++ `"cpu"` kernel on one device, over head sizes {32, 64, 128}, query
+heads per kv head {1, 3, 4, 8}, float32 and bfloat16, and 8K and 32K cached tokens (kv heads x
+head size = 256 in every cell: 64 MiB of float32 K and V at 32K), against the time of reading
+K and V once (a `jnp.sum` of each, which XLA streams) in the same rounds, caches cold (a 64 MiB
+read before every call, as in a model's step, whose weights and other layers evict them).
+Medians of the per-round ratios with their quartiles; the worst and the median cell per dtype.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ def main() -> None:
     parser.add_argument(
         "--layouts-only", action="store_true", help="only the one-device layout comparison"
     )
+    parser.add_argument(
+        "--kernel-grid", action="store_true", help="only the cpu kernel against a read, a grid"
+    )
     args = parser.parse_args()
     if args.quick:
         args.devices, args.contexts, args.dtypes, args.rounds = (
@@ -51,6 +63,8 @@ def main() -> None:
             ["float32"],
             5,
         )
+    if args.kernel_grid:
+        args.devices = [1]  # one device: the kernel's threads are the machine's
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
@@ -60,6 +74,12 @@ def main() -> None:
         from _common import machine, write_json
 
         write_json("decode_layouts", {"machine": machine(), "layouts": layouts(args)})
+        return
+    if args.kernel_grid:
+        from _common import machine, write_json
+
+        rounds = args.rounds if args.rounds != 9 else 41
+        write_json("decode_kernel", {"machine": machine(), "rows": kernel_grid(rounds)})
         return
     run(args)
 
@@ -307,6 +327,78 @@ def layouts(args) -> list[dict]:
         med = statistics.median(t)
         rows.append({"name": name, "median_s": med, "vs_read": med / base})
         print(f"  {name:<24} {med * 1e3:8.1f} ms  {med / base:6.2f}x")
+    return rows
+
+
+def kernel_grid(rounds: int) -> list[dict]:
+    """One decode step through the cpu kernel against one read of its K and V, cold, per cell
+    of (dtype, head size, query heads per kv head, context); the per-round ratios' median and
+    quartiles, then the worst and the median cell per dtype."""
+    import itertools
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from treeattn.decode import flash_attention
+
+    evict = jnp.ones((16 << 20,), jnp.float32)  # 64 MiB, read before every timed call
+    read_evict = jax.jit(jnp.sum).lower(evict).compile()
+    grid = itertools.product(("float32", "bfloat16"), (32, 64, 128), (1, 3, 4, 8), (8192, 32768))
+    print(
+        f"\nthe cpu kernel, one decode step of one sequence against reading its K and V once "
+        f"(cold); medians of {rounds} rounds in turns, [quartiles] of the per-round ratios"
+    )
+    print(f"{'dtype':<9} {'head':>4} {'group':>5} {'context':>7} {'read':>9} {'kernel':>9}  ratio")
+    rows = []
+    for dtype, dim, group, n in grid:
+        kv_heads = 256 // dim
+        keys = jax.random.split(jax.random.key(3), 3)
+        q = jax.random.normal(keys[0], (1, 1, group * kv_heads, dim), dtype)
+        k, v = (jax.random.normal(kk, (1, kv_heads, n, dim), dtype) for kk in keys[1:])
+        length = jnp.full((1,), n, jnp.int32)
+
+        def step(q, k, v, length=length):
+            kw = {"kv_length": length, "q_offset": length - 1, "causal": True}
+            return flash_attention(q, k, v, kv_layout="bhsd", backend="cpu", **kw)[0]
+
+        def read(q, k, v):
+            return jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32)
+
+        calls = {
+            name: jax.jit(f).lower(q, k, v).compile()
+            for name, f in (("read", read), ("kernel", step))
+        }
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for c in calls.values():
+            jax.block_until_ready(c(q, k, v))
+        for _ in range(rounds):
+            for name, c in calls.items():
+                jax.block_until_ready(read_evict(evict))
+                start = time.perf_counter()
+                jax.block_until_ready(c(q, k, v))
+                times[name].append(time.perf_counter() - start)
+        ratios = sorted(a / b for a, b in zip(times["kernel"], times["read"], strict=True))
+        quartiles = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
+        row = {"dtype": dtype, "dim": dim, "group": group, "kv_heads": kv_heads, "context": n}
+        row |= {f"{name}_s": statistics.median(t) for name, t in times.items()}
+        row |= {"ratio": statistics.median(ratios), "ratio_quartiles": quartiles}
+        rows.append(row)
+        print(
+            f"{dtype:<9} {dim:>4} {group:>5} {n:>7} {row['read_s'] * 1e3:>7.2f}ms "
+            f"{row['kernel_s'] * 1e3:>7.2f}ms  {row['ratio']:.2f}x "
+            f"[{quartiles[0]:.2f}, {quartiles[1]:.2f}]"
+        )
+    print("\nworst first:")
+    for dtype in ("float32", "bfloat16"):
+        mine = sorted((r for r in rows if r["dtype"] == dtype), key=lambda r: -r["ratio"])
+        worst = mine[0]
+        print(
+            f"  {dtype:<9} worst {worst['ratio']:.2f}x (head {worst['dim']}, group "
+            f"{worst['group']}, {worst['context']} tokens), median "
+            f"{statistics.median(r['ratio'] for r in mine):.2f}x of {len(mine)} cells"
+        )
     return rows
 
 
