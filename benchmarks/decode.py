@@ -43,7 +43,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=None, help="GQA: default --heads")
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=9, help="timed rounds (medians)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds (medians; 9, --kernel-grid 41)"
+    )
     parser.add_argument("--no-ring", action="store_true", help="skip the ring baseline")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
@@ -53,9 +55,12 @@ def main() -> None:
         "--layouts-only", action="store_true", help="only the one-device layout comparison"
     )
     parser.add_argument(
-        "--kernel-grid", action="store_true", help="only the cpu kernel against a read, a grid"
+        "--kernel-grid",
+        action="store_true",
+        help="only the cpu kernel against a read, over its own grid (not --contexts/--dtypes)",
     )
     args = parser.parse_args()
+    args.rounds = args.rounds or (41 if args.kernel_grid else 9)
     if args.quick:
         args.devices, args.contexts, args.dtypes, args.rounds = (
             [1, 8],
@@ -78,8 +83,7 @@ def main() -> None:
     if args.kernel_grid:
         from _common import machine, write_json
 
-        rounds = args.rounds if args.rounds != 9 else 41
-        write_json("decode_kernel", {"machine": machine(), "rows": kernel_grid(rounds)})
+        write_json("decode_kernel", {"machine": machine(), "rows": kernel_grid(args.rounds)})
         return
     run(args)
 

@@ -2,7 +2,8 @@
 
 Decode attention: head dims that are a multiple of the vector width (16 floats with AVX-512, 8
 with AVX2, 4 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2,
-keys 4 at a time plus a tail of 1-3, value columns in tiles of 8, 4, 3, 2 or 1 vectors; blocks
+keys one at a time for head dims of 64 and 128 and otherwise 4 at a time plus a tail of 1-3,
+value columns in tiles of 8, 4, 3, 2 or 1 vectors; blocks
 of 512 keys that every row sees end to end skip the per-key visibility test; a sequence with
 few kv heads has its keys split over the threads and merged. The few-row products: rows in
 register groups, weights in tiles, several weights per call. The shapes below cross each of
@@ -29,7 +30,7 @@ from treeattn.decode import flash_attention
 from treeattn.models._layers import _native
 
 
-KV_SEQ = 1103  # blocks of 512, 512 and 79 keys: a tail of 3 after groups of 4
+KV_SEQ = 1103  # blocks of 512, 512 and 79 keys: groups of 4 keys end in a tail of 3
 
 
 # One sequence with one kv head: the keys it reads are split over the threads (ranges of at
@@ -263,7 +264,6 @@ def test_exp_over_the_logit_range():
     np.testing.assert_allclose(float(lse[0, 0, 0]), np.log(np.exp(x).sum()), rtol=1e-6)
 
 
-# -march for each target, and the registers its library must not use.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "window, positions",
@@ -279,12 +279,12 @@ def test_split_keys_match_numpy(window, positions, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_split_keys_of_uneven_rows(dtype):
-    """Two rows share one split count (4 on two threads or more, from the longer row's 4,321
-    keys): the shorter row reads 3 keys, one per split, and its last split is empty, which the
-    merge must pass over."""
+    """Two rows share one split count (4 on two threads or more, from the 4,321 keys the longer
+    row reads): the shorter row reads 3 keys, one in each of its first 3 splits, and its last
+    split is empty, which the merge must pass over."""
     group, q_seq, d = 3, 2, 64
     q, k, v = inputs(9, 2, q_seq, group, 1, d, d, dtype, kv_seq=SPLIT_SEQ)
-    lengths, offsets = [4321, 3], [4000, 1]
+    lengths, offsets = [4321, 3], [4319, 1]
     got, want = windowed(q, k, v, kv_length=lengths, q_offset=offsets, window=None, shuffle=False)
     check(got, want, dtype)
 
@@ -328,6 +328,7 @@ def test_products_of_a_large_weight_are_shared_by_the_threads():
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
 EXPECTED_NARROW = len(CASES) + 2 + 1 + 6 + 2 + len(PRODUCT_ROWS) * 3 * 2 + 1
+# -march for each target, and the registers its library must not use.
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 
 

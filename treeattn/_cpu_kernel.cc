@@ -11,8 +11,9 @@
 //
 // Both passes work in register tiles of the target's vector width (GCC/Clang vector
 // extensions, so one source serves AVX-512, AVX2 and SSE/NEON): the logits of kTile query rows
-// against 4 keys at a time (each K vector loaded once for the rows, each Q vector once for the
-// keys, the 4 * kTile dot products reduced together), and the values as kTile rows x NV vectors
+// against one key at a time for head dims of 64 and 128 (each K vector loaded once for the rows,
+// the kTile dot products reduced together) and 4 keys at a time for the others (each Q vector
+// also loaded once for the keys, the 4 * kTile dot products reduced together), and the values as kTile rows x NV vectors
 // of accumulators held in registers across the keys of a block. bfloat16 is widened as it is
 // loaded. A value row is read only if some query row gives it a nonzero weight, so masked
 // slots (and weights that underflow to 0) never touch V: NaN in a slot no query sees stays out.
@@ -251,6 +252,7 @@ inline void dots(const float* __restrict q, int64_t qk, const T* __restrict k, i
 template <int RT, int DQ, typename T>
 inline void dots_one_key(const float* __restrict q, const T* __restrict k, int64_t ks,
                          float* __restrict s) {
+  static_assert(RT <= 4, "one sum4 reduces the rows of a tile");
   vf32 acc[RT][4] = {};
   tile_dots<RT, 1>(q, DQ, k, ks, DQ, kAhead * ks, acc);
   vf32 rows[4] = {};  // the unused ones are zero
@@ -262,13 +264,13 @@ inline void dots_one_key(const float* __restrict q, const T* __restrict k, int64
 
 template <int RT, int DQ, typename T>
 void logits_tile(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, float* s) {
-  if constexpr (DQ >= 64 && RT <= 4) {
-    // Keys of 64 elements or more stream one key at a time: 4 keys at once read 4 rows in
-    // step, 4 interleaved streams, which a cold cache serves more slowly than one. Timed in
-    // turns on a cold cache, one key at a time took 0.71-0.96x the time of 4 (heads of 64 and
-    // 128, 1 to 16 query rows per kv head, float32 and bfloat16). Keys of 32 elements keep 4
-    // per step, whose sums are reduced together (one key at a time was mixed there: slightly
-    // faster in float32, slower in bfloat16).
+  if constexpr (DQ >= 64) {
+    // Head dims of 64 and 128 stream one key at a time: 4 keys at once read 4 rows in step,
+    // 4 interleaved streams, which a cold cache serves more slowly than one. Timed in turns on
+    // a cold cache (AVX-512), one key at a time took 0.71-0.96x the time of 4 (1 to 16 query
+    // rows per kv head, float32 and bfloat16). Keys of 32 keep 4 per step, whose sums are
+    // reduced together (one key at a time was mixed there: slightly faster in float32, slower
+    // in bfloat16).
     for (int64_t i = 0; i < n; ++i) dots_one_key<RT, DQ>(q, k + i * ks, ks, s + i);
     return;
   }
