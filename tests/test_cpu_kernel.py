@@ -71,6 +71,7 @@ CASES = [
     (1, 7, 64, 128, jnp.float32, "bshd", True),
     (2, 1, 64, 128, jnp.float32, "bhsd", True),  # whole value rows in one pass
     (3, 2, 128, 64, jnp.bfloat16, "bshd", False),
+    (8, 1, 32, 32, jnp.bfloat16, "bhsd", True),  # bfloat16 dot products, 4 keys and a tail
 ]
 
 
@@ -169,14 +170,15 @@ NAN_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("where", list(NAN_CASES))
-def test_nan_reaches_only_the_rows_that_see_it(where):
+def test_nan_reaches_only_the_rows_that_see_it(where, dtype):
     """Causal queries at the last two positions: a NaN key (and value) seen by the second only.
     In a tile, the first row weighs the slot 0 and must not read it; over splits of the keys,
     the merge gives the second row NaN. The first row is the attention over its keys."""
     kv_seq, length, from_slot, one_slot = NAN_CASES[where]
     group, q_seq, d = 2, 2, 64
-    q, k, v = inputs(6, 1, q_seq, group, 1, d, d, jnp.float32, kv_seq=kv_seq)
+    q, k, v = inputs(6, 1, q_seq, group, 1, d, d, dtype, kv_seq=kv_seq)
     clean_k, clean_v = np.asarray(k, np.float64), np.asarray(v, np.float64)
     if from_slot is not None:
         k, v = (x.at[:, from_slot:].set(jnp.nan) for x in (k, v))
@@ -204,7 +206,7 @@ def test_nan_reaches_only_the_rows_that_see_it(where):
         mask=None,
     )
     want, want_lse = ref.decode_attention(q, clean_k, clean_v, vis)
-    assert ref_err(out[:, 0], want[:, 0]) <= TOL[jnp.float32]
+    assert ref_err(out[:, 0], want[:, 0]) <= TOL[dtype]
     np.testing.assert_allclose(np.asarray(lse)[:, 0], want_lse[:, 0], rtol=1e-5)
     assert np.isnan(np.asarray(out[:, 1])).all() and np.isnan(np.asarray(lse[:, 1])).all()
 
@@ -327,7 +329,7 @@ def test_products_of_a_large_weight_are_shared_by_the_threads():
 
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
-EXPECTED_NARROW = len(CASES) + 2 + 1 + 6 + 2 + len(PRODUCT_ROWS) * 3 * 2 + 1
+EXPECTED_NARROW = len(CASES) + 4 + 1 + 6 + 2 + len(PRODUCT_ROWS) * 3 * 2 + 1
 # -march for each target, and the registers its library must not use.
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 
