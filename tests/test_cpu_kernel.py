@@ -2,13 +2,13 @@
 
 Decode attention: head dims that are a multiple of the vector width (16 floats with AVX-512, 8
 with AVX2, 4 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2,
-keys one at a time for head dims of 64 and 128 and otherwise 4 at a time plus a tail of 1-3,
-value columns in tiles of 8, 4, 3, 2 or 1 vectors; blocks
-of 512 keys that every row sees end to end skip the per-key visibility test; a sequence with
-few kv heads has its keys split over the threads and merged. The few-row products: rows in
-register groups, weights in tiles, several weights per call. The shapes below cross each of
-these boundaries; the other tests of the decode kernel (tests/test_decode.py) use head dims of
-8 and 16.
+keys one at a time for head dims of 64 and 128 and otherwise 4 at a time plus a tail of 1-3
+(with AVX512-BF16, bfloat16 keys of 32 and 64 through its dot products, 4 at a time), value
+columns in tiles of 8, 4, 3, 2 or 1 vectors; blocks of 512 keys that every row sees end to end
+skip the per-key visibility test; a sequence with few kv heads has its keys split over the
+threads and merged. The few-row products: rows in register groups, weights in tiles, several
+weights per call. The shapes below cross each of these boundaries; the other tests of the decode
+kernel (tests/test_decode.py) use head dims of 8 and 16.
 """
 
 import json
@@ -72,6 +72,7 @@ CASES = [
     (2, 1, 64, 128, jnp.float32, "bhsd", True),  # whole value rows in one pass
     (3, 2, 128, 64, jnp.bfloat16, "bshd", False),
     (8, 1, 32, 32, jnp.bfloat16, "bhsd", True),  # bfloat16 dot products, 4 keys and a tail
+    (3, 1, 64, 64, jnp.bfloat16, "bshd", False),  # the same, 3-row tiles, keys kv_heads apart
 ]
 
 

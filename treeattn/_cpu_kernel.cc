@@ -16,7 +16,7 @@
 // vector also loaded once for the keys, the 4 * kTile dot products reduced together), and the
 // values as kTile rows x NV vectors of accumulators held in registers across the keys of a
 // block. bfloat16 is widened as it is loaded, but for the logits of keys of 32 and 64 with
-// AVX512-BF16 (the CPU's bfloat16 dot products). A value row is read only if some query row
+// AVX512-BF16, which take the CPU's bfloat16 dot products 4 keys at a time. A value row is read only if some query row
 // gives it a nonzero weight, so masked slots (and weights that underflow to 0) never touch V:
 // NaN in a slot no query sees stays out.
 //
