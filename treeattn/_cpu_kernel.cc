@@ -287,6 +287,29 @@ void logits_tile(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, 
 }
 
 #if defined(__AVX512BF16__)
+// The bfloat16 form of `tile_dots`, with the CPU's bfloat16 dot products (AVX512-BF16): each
+// instruction multiplies 32 pairs and adds them into 16 float32 sums, so neither operand is
+// widened. Over the first n elements rounded down to 32; the bfloat16 logits and the bfloat16
+// few-row products are this loop.
+template <int R, int N>
+__attribute__((always_inline)) inline void tile_dots_bf16(const uint16_t* __restrict x,
+                                                          int64_t xs,
+                                                          const uint16_t* __restrict w,
+                                                          int64_t ws, int64_t n, int64_t ahead,
+                                                          __m512 (&acc)[R][4]) {
+  for (int64_t c = 0; c + 32 <= n; c += 32) {
+    __m512bh wv[N];
+    for (int j = 0; j < N; ++j) {
+      __builtin_prefetch(w + j * ws + ahead + c);  // past the end of a buffer: no fault
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ws + c);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * xs + c);
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+}
+
 // Logits of RT <= 4 bfloat16 query rows (unscaled, row stride qk, a multiple of 32) against NK
 // bfloat16 keys, with the CPU's bfloat16 dot products: each instruction multiplies 32 pairs
 // exactly and adds them into 16 float32 sums, so neither operand is widened; the scale
@@ -295,20 +318,10 @@ template <int RT, int NK>
 inline void dots_bf16(const uint16_t* __restrict q, int64_t qk, const uint16_t* __restrict k,
                       int64_t ks, float scale, float* __restrict s) {
   static_assert(RT <= 4 && NK <= 4, "one sum4 reduces a tile's rows or keys");
-  __m512 acc[RT][NK];
+  __m512 acc[RT][4];
   for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < NK; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < qk; c += 32) {
-    __m512bh kv[NK];
-    for (int j = 0; j < NK; ++j) {
-      __builtin_prefetch(k + (kAhead + j) * ks + c);  // past the end of a buffer: no fault
-      kv[j] = (__m512bh)_mm512_loadu_si512(k + j * ks + c);
-    }
-    for (int r = 0; r < RT; ++r) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * qk + c);
-      for (int j = 0; j < NK; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qv, kv[j]);
-    }
-  }
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  tile_dots_bf16<RT, NK>(q, qk, k, ks, qk, kAhead * ks, acc);
   float sums[4];
   if constexpr (NK == 1) {
     vf32 rows[4] = {};  // the unused ones are zero
@@ -892,27 +905,16 @@ inline void mm_tile(const float* __restrict x, int64_t in, const T* __restrict w
 }
 
 #if defined(__AVX512BF16__)
-// The same for bfloat16 rows and weights, with the CPU's bfloat16 dot products (AVX512-BF16):
-// each instruction multiplies 32 pairs and adds them into 16 float32 sums, so neither operand
-// is widened first.
+// The same for bfloat16 rows and weights, with the CPU's bfloat16 dot products (AVX512-BF16,
+// `tile_dots_bf16`): neither operand is widened first.
 template <int NR, int NO>
 inline void mm_tile_bf16(const uint16_t* __restrict x, int64_t in, const uint16_t* __restrict w,
                          float* __restrict out) {
   __m512 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int o = 0; o < 4; ++o) acc[r][o] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= in; i += 32) {
-    __m512bh wv[NO];
-    for (int o = 0; o < NO; ++o) {
-      __builtin_prefetch(w + (NO + o) * in + i);  // as above
-      wv[o] = (__m512bh)_mm512_loadu_si512(w + o * in + i);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * in + i);
-      for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
-    }
-  }
+  tile_dots_bf16<NR, NO>(x, in, w, in, in, NO * in, acc);  // the next tile prefetched, as above
+  const int64_t i = in - in % 32;
   for (int r = 0; r < NR; ++r) {
     vf32 four[4];  // the four sums of a row reduced together (the unused ones are zero)
     std::memcpy(four, acc[r], sizeof four);
