@@ -55,12 +55,21 @@ constexpr int64_t kBlock = 512;  // keys per block (a smaller block costs more p
 // two cache lines) to stream at memory speed.
 constexpr int64_t kAhead = 32;
 
-// Every software prefetch here fills L2, not L1 (prefetcht1 on x86): a prefetch into L1 holds
-// one of L1's few miss buffers until its line arrives, so a product streaming several weight
-// rows from memory stalls on them. Timed in turns against L1 on cold weights (AMD EPYC,
-// AVX-512): products of 3 and 8 rows took 0.53-0.81x and 0.61-0.98x the time, of one row
-// 0.88-1.04x; a decode step of the kernel 0.92-1.04x. Past the end of a buffer: no fault.
-inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
+// A software prefetch of a row (a key, a value, a weight row) fills L2 (prefetcht1 on x86), not
+// L1: into L1 it holds one of L1's few miss buffers until its line arrives, so a product
+// streaming several weight rows from memory stalls on them. A row of one cache line (bfloat16
+// keys of 32) still goes to L1, where its next use is a few instructions away. Timed in turns
+// on cold memory (AMD EPYC, AVX-512), L2 against L1: products of 3 and 8 rows took 0.53-0.81x
+// and 0.61-0.98x the time, of one row 0.88-1.04x; decode steps with float32 keys 0.91-1.00x,
+// bfloat16 keys of 128 0.89x and of 64 1.00x; with bfloat16 keys of 32, L1 took 0.79-0.95x
+// the time of L2. Past the end of a buffer: no fault.
+inline void prefetch_row(const void* p, int64_t row_bytes) {
+  if (row_bytes <= 64) {
+    __builtin_prefetch(p, 0, 3);
+  } else {
+    __builtin_prefetch(p, 0, 2);
+  }
+}
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The vector width of the target (-march=native): kLanes floats per register, and kTile query
@@ -228,10 +237,11 @@ template <int R, int N, typename T>
 __attribute__((always_inline)) inline void tile_dots(const float* __restrict x, int64_t xs,
                                                      const T* __restrict w, int64_t ws, int64_t n,
                                                      int64_t ahead, vf32 (&acc)[R][4]) {
+  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
   for (int64_t c = 0; c + kLanes <= n; c += kLanes) {
     vf32 wv[N];
     for (int j = 0; j < N; ++j) {
-      prefetch(w + j * ws + ahead + c);
+      prefetch_row(w + j * ws + ahead + c, row_bytes);
       wv[j] = vload(w + j * ws + c);
     }
     for (int r = 0; r < R; ++r) {
@@ -304,10 +314,11 @@ __attribute__((always_inline)) inline void tile_dots_bf16(const uint16_t* __rest
                                                           const uint16_t* __restrict w,
                                                           int64_t ws, int64_t n, int64_t ahead,
                                                           __m512 (&acc)[R][4]) {
+  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t c = 0; c + 32 <= n; c += 32) {
     __m512bh wv[N];
     for (int j = 0; j < N; ++j) {
-      prefetch(w + j * ws + ahead + c);
+      prefetch_row(w + j * ws + ahead + c, row_bytes);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ws + c);
     }
     for (int r = 0; r < R; ++r) {
@@ -374,6 +385,7 @@ void block_logits(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n,
 template <int RT, int NV, typename T>
 void weigh_tile(const float* __restrict p, int64_t n, const T* __restrict v, int64_t vs,
                 int64_t dv, bool dense, float* __restrict acc) {
+  const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(T));
   for (int64_t c0 = 0; c0 < dv; c0 += NV * kLanes) {
     vf32 a[RT][NV];
     for (int r = 0; r < RT; ++r)
@@ -388,7 +400,7 @@ void weigh_tile(const float* __restrict p, int64_t n, const T* __restrict v, int
         for (int u = 0; u < kSets; ++u) {
           vf32 vv[NV];
           for (int t = 0; t < NV; ++t) {
-            prefetch(v + (i + u + kAhead) * vs + c0 + t * kLanes);
+            prefetch_row(v + (i + u + kAhead) * vs + c0 + t * kLanes, row_bytes);
             vv[t] = vload(v + (i + u) * vs + c0 + t * kLanes);
           }
           for (int r = 0; r < RT; ++r) {
