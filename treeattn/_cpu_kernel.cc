@@ -55,14 +55,15 @@ constexpr int64_t kBlock = 512;  // keys per block (a smaller block costs more p
 // two cache lines) to stream at memory speed.
 constexpr int64_t kAhead = 32;
 
-// A software prefetch of a row (a key, a value, a weight row) fills L2 (prefetcht1 on x86), not
-// L1: into L1 it holds one of L1's few miss buffers until its line arrives, so a product
-// streaming several weight rows from memory stalls on them. A row of one cache line (bfloat16
-// keys of 32) still goes to L1, where its next use is a few instructions away. Timed in turns
-// on cold memory (AMD EPYC, AVX-512), L2 against L1: products of 3 and 8 rows took 0.53-0.81x
-// and 0.61-0.98x the time, of one row 0.88-1.04x; decode steps with float32 keys 0.91-1.00x,
-// bfloat16 keys of 128 0.89x and of 64 1.00x; with bfloat16 keys of 32, L1 took 0.79-0.95x
-// the time of L2. Past the end of a buffer: no fault.
+// A software prefetch of a row (a key, a value, a weight row) fills L2 (prefetcht1 on x86),
+// except a row of at most one 64-byte cache line (bfloat16 keys and values of 32), which goes
+// to L1. The likely cause: a prefetch into L1 holds one of L1's few miss buffers until its line
+// arrives, and a product streaming several weight rows from memory stalls on them. Timed in
+// turns on cold memory (AMD EPYC, AVX-512; the AVX2, SSE and NEON builds follow the same rule
+// untimed), L2 against L1: products of 3 and 8 rows took 0.53-0.81x and 0.61-0.98x the time,
+// of one row 0.88-1.04x; decode steps with float32 keys 0.91-1.00x, bfloat16 keys of 128 0.89x
+// and of 64 1.00x; with bfloat16 keys of 32, L1 took 0.79-0.95x the time of L2. Past the end
+// of a buffer: no fault.
 inline void prefetch_row(const void* p, int64_t row_bytes) {
   if (row_bytes <= 64) {
     __builtin_prefetch(p, 0, 3);
