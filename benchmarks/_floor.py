@@ -132,6 +132,25 @@ static float part(const float* p, int64_t n) {
   for (; i < n; ++i) t += p[i];
   return t;
 }
+static float fmas(int64_t n) {
+  vf a[10];
+  for (int k = 0; k < 10; ++k) a[k] = vf{} + 1.0f + 0.001f * k;
+  const vf m = vf{} + 0.999999f, c = vf{} + 1e-7f;
+  for (int64_t i = 0; i < n; ++i)
+    for (int k = 0; k < 10; ++k) a[k] = a[k] * m + c;  // 10 independent chains of FMAs
+  float t = 0;
+  for (int k = 0; k < 10; ++k) t += a[k][0];
+  return t;
+}
+// n iterations of 10 x 16 float32 multiply-adds on each of `threads` threads.
+extern "C" float fma_peak(int64_t n, int threads) {
+  std::vector<float> out(threads);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { out[t] = fmas(n); });
+  out[0] = fmas(n);
+  for (auto& th : pool) th.join();
+  return out[0];
+}
 extern "C" float stream_read(const float* p, int64_t n, int threads) {
   std::vector<float> out(threads);
   std::vector<std::thread> pool;
@@ -159,7 +178,8 @@ def _stream_library():
     if not lib.exists():
         src = lib.with_suffix(".cc")
         src.write_text(_STREAM)
-        cmd = ["c++", "-O3", "-march=native", "-shared", "-fPIC", "-pthread", str(src), "-o"]
+        cmd = ["c++", "-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-pthread"]
+        cmd += [str(src), "-o"]
         try:
             subprocess.run([*cmd, str(lib)], check=True, capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
@@ -167,7 +187,25 @@ def _stream_library():
     library = ctypes.CDLL(str(lib))
     library.stream_read.restype = ctypes.c_float
     library.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    library.fma_peak.restype = ctypes.c_float
+    library.fma_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     return library
+
+
+@functools.cache
+def fma_peak() -> float | None:
+    """float32 multiply-adds per second over every core (10 independent chains of vector
+    FMAs per thread, the best of 5 runs of ~0.1 s); None without a compiler."""
+    library = _stream_library()
+    if library is None:
+        return None
+    n, threads, best = 1 << 21, _cores(), float("inf")
+    library.fma_peak(n // 16, threads)  # warm up
+    for _ in range(5):
+        start = time.perf_counter()
+        library.fma_peak(n, threads)
+        best = min(best, time.perf_counter() - start)
+    return n * 10 * 16 * threads / best
 
 
 class Floor:
@@ -229,6 +267,16 @@ def bytes_read(model, cell) -> tuple[int, int]:
     return weights, cache * itemsize
 
 
+def step_macs(cell, weight_bytes: int) -> int:
+    """The multiply-adds of one step: every weight element once per sequence, and per layer
+    and query head the logits and the weighted values over every cached token."""
+    import jax.numpy as jnp
+
+    params = weight_bytes // jnp.dtype(cell.dtype).itemsize - cell.batch * cell.hidden
+    attention = 2 * cell.layers * cell.heads * (cell.context + 1) * cell.head
+    return cell.batch * (params + attention)
+
+
 def filled(decoder, cell, key):
     """The decoder's cache with every slot random (as a filled cache reads: the cost does not
     depend on what the slots hold) and `cell.context` tokens in it."""
@@ -278,33 +326,47 @@ def run_cell(cell: Cell, args) -> dict:
     row["cache_bytes"] = cache
     # The model, its prepared copy, the cache, the two floor buffers (and transformers').
     need = 2 * weights + cache + 2 * (weights + cache) + (weights + cache) * args.hf
+    need += (weights + cache) * args.arrays
     if need > args.max_gb * 1e9:
         row["skipped"] = f"needs {need / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
         return row
     start = time.perf_counter()
-    decoder = model.decoder(
+    options = dict(
         max_len=cell.context + rounds + 2 * new + 8,
         batch=None if cell.batch == 1 else cell.batch,
         backend=args.backend,
     )
+    decoder = model.decoder(**options)
     row["prepare_s"] = time.perf_counter() - start
+    row["packed"] = decoder.packed
     decoder.cache = filled(decoder, cell, jax.random.key(1))
     token = jnp.ones(() if cell.batch == 1 else (cell.batch,), jnp.int32)
+    # The same step on the weights as arrays, in the same rounds (where the default packs).
+    arrays = model.decoder(**options, packed=False) if decoder.packed and args.arrays else None
+    if arrays is not None:
+        arrays.cache = filled(arrays, cell, jax.random.key(1))
+        jax.block_until_ready(arrays.step(token))
     floor = Floor(weights + cache)
     start = time.perf_counter()
     jax.block_until_ready(decoder.step(token))
     row["first_step_s"] = time.perf_counter() - start
     jax.block_until_ready(decoder.step(token))
     steps, floors, kernels = [], [], {k: [] for k in floor.kernels}
+    unpacked = []
     for _ in range(rounds):
         reads = floor.read()
         start = time.perf_counter()
         jax.block_until_ready(decoder.step(token))
         steps.append(time.perf_counter() - start)
+        if arrays is not None:
+            start = time.perf_counter()
+            jax.block_until_ready(arrays.step(token))
+            unpacked.append(time.perf_counter() - start)
         for k, t in reads.items():
             kernels[k].append(t)
         floors.append(min(reads.values()))
     ratios = [s / f for s, f in zip(steps, floors, strict=True)]
+    macs = step_macs(cell, weights)
     row |= {
         "step_s": statistics.median(steps),
         "floor_s": statistics.median(floors),
@@ -313,7 +375,18 @@ def run_cell(cell: Cell, args) -> dict:
         "ratio": statistics.median(ratios),
         "ratio_iqr": spread(ratios),
         "rounds": rounds,
+        "macs": macs,
     }
+    peak = fma_peak()
+    if peak is not None:
+        row["fma_peak_per_s"] = peak
+        row["arithmetic_s"] = macs / peak
+    if unpacked:
+        packed_over = [a / b for a, b in zip(steps, unpacked, strict=True)]
+        row["step_arrays_s"] = statistics.median(unpacked)
+        row["packed_over_arrays"] = statistics.median(packed_over)
+        row["packed_over_arrays_iqr"] = spread(packed_over)
+    del arrays
     if args.hf and cell.dtype == "float32":
         row |= against_transformers(model, decoder, cell, args, new)
     del decoder, floor
@@ -606,7 +679,8 @@ def report(rows) -> None:
     done = sorted((r for r in rows if "ratio" in r), key=lambda r: -r["ratio"])
     header = (
         f"{'cell':<46} {'weights MB':>10} {'cache MB':>9} {'floor':>9} {'step':>9} "
-        f"{'step/floor':>10} {'IQR':>11} {'GB/s':>5} {'vs HF':>7}"
+        f"{'step/floor':>10} {'IQR':>11} {'GB/s':>5} {'vs HF':>7} {'FMA/floor':>9} "
+        f"{'packed/arrays':>13}"
     )
     print("\nworst first:\n" + header + "\n" + "-" * len(header))
     for r in done:
@@ -617,6 +691,8 @@ def report(rows) -> None:
             f"{r['floor_s'] * 1e3:>7.2f}ms {r['step_s'] * 1e3:>7.2f}ms {r['ratio']:>9.2f}x "
             f"{lo:>5.2f}-{hi:<5.2f} {r['floor_GBps']:>5.0f} "
             + (f"{hf:>6.2f}x" if hf is not None else f"{'':>7}")
+            + (f" {r['arithmetic_s'] / r['floor_s']:>8.2f}x" if "arithmetic_s" in r else " " * 10)
+            + (f" {r['packed_over_arrays']:>12.2f}x" if "packed_over_arrays" in r else "")
         )
     for r in rows:
         if "skipped" in r:
@@ -629,6 +705,18 @@ def report(rows) -> None:
                 f"{dtype:<9} batch {batch}: worst {max(sel):.2f}x, median "
                 f"{statistics.median(sel):.2f}x of {len(sel)} cells (target: worst <= {target}x)"
             )
+    peak = next((r["fma_peak_per_s"] for r in done if "fma_peak_per_s" in r), None)
+    if peak is not None:
+        print(
+            f"FMA/floor: the step's multiply-adds at the measured float32 peak "
+            f"({peak / 1e9:.0f} G/s over every core) over the floor"
+        )
+    packed = [r["packed_over_arrays"] for r in done if "packed_over_arrays" in r]
+    if packed:
+        print(
+            f"packed weights against arrays: {min(packed):.2f}-{max(packed):.2f}x the time, "
+            f"median {statistics.median(packed):.2f}x"
+        )
     if done:
         every = [r["ratio"] for r in done]
         print(f"all cells: worst {max(every):.2f}x, median {statistics.median(every):.2f}x")

@@ -65,6 +65,12 @@ def main() -> None:
         "--cells", type=int, nargs="+", default=None, help="floor: these cells of the grid"
     )
     parser.add_argument(
+        "--arrays",
+        action="store_true",
+        help="floor: also time each cell's step on the weights as arrays (packed=False), in the "
+        "same rounds",
+    )
+    parser.add_argument(
         "--products",
         action="store_true",
         help="floor: also the model's matrix products with a few rows against XLA's",

@@ -27,6 +27,7 @@ import pytest
 from helpers import TOL, to_layout
 
 from treeattn.decode import flash_attention
+from treeattn.models import PackedWeight
 from treeattn.models._layers import _native
 
 
@@ -293,20 +294,35 @@ def test_split_keys_of_uneven_rows(dtype):
 
 
 # The few-row products: rows in register groups of up to 8 (AVX-512; 4 otherwise) split evenly,
-# weight rows in tiles of 4, 3, 2 or 1 plus a remainder, inputs of whole vectors and with a
-# tail, several weights in one call (a layer's q, k and v).
+# weight rows in tiles of 4, 3, 2 or 1 plus a remainder (packed: tiles of 1-4 panels of 16, a
+# partial last panel), inputs of whole vectors and with a tail, several weights in one call (a
+# layer's q, k and v). Packed bfloat16 takes an even number of inputs.
 PRODUCT_ROWS = [1, 2, 5, 8, 12, 17, 32]
+PRODUCT_CASES = [
+    (n_in, dtype, packed)
+    for n_in in (64, 37, 576)
+    for dtype in (jnp.float32, jnp.bfloat16)
+    for packed in (False, True)
+    if not (packed and dtype == jnp.bfloat16 and n_in % 2)
+]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("n_in", [64, 37, 576])
+def pack_if(ws, packed):
+    return tuple(PackedWeight.of(w) for w in ws) if packed else ws
+
+
+@pytest.mark.parametrize(
+    ("n_in", "dtype", "packed"),
+    PRODUCT_CASES,
+    ids=[f"{n}-{jnp.dtype(d).name}-{'packed' if p else 'rows'}" for n, d, p in PRODUCT_CASES],
+)
 @pytest.mark.parametrize("rows", PRODUCT_ROWS)
-def test_products_match_numpy(rows, n_in, dtype):
+def test_products_match_numpy(rows, n_in, dtype, packed):
     rng = np.random.default_rng(rows * 1000 + n_in)
     x = jnp.asarray(rng.standard_normal((rows, n_in)), dtype)
     outs = (5, 24, 130)
     ws = tuple(jnp.asarray(rng.standard_normal((o, n_in)), dtype) for o in outs)
-    got = jax.jit(_native)(x, ws)
+    got = jax.jit(_native)(x, pack_if(ws, packed))
     for y, w, o in zip(got, ws, outs, strict=True):
         assert y.shape == (rows, o) and y.dtype == dtype
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
@@ -315,22 +331,24 @@ def test_products_match_numpy(rows, n_in, dtype):
         np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=tol * np.abs(want).max())
 
 
-def test_products_of_a_large_weight_are_shared_by_the_threads():
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_products_of_a_large_weight_are_shared_by_the_threads(packed):
     """Above 2^16 weight elements the rows of the weights are cut into chunks for the threads
-    (whole 4-row tiles; a remainder in the last): every output element is written once."""
+    (whole 4-row tiles, or panels; a remainder in the last): every output element is written
+    once."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 300)), jnp.float32)
     ws = (
         jnp.asarray(rng.standard_normal((1001, 300)), jnp.float32),
         jnp.asarray(rng.standard_normal((7, 300)), jnp.float32),
     )
-    for y, w in zip(jax.jit(_native)(x, ws), ws, strict=True):
+    for y, w in zip(jax.jit(_native)(x, pack_if(ws, packed)), ws, strict=True):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
 
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
-EXPECTED_NARROW = len(CASES) + 4 + 1 + 6 + 2 + len(PRODUCT_ROWS) * 3 * 2 + 1
+EXPECTED_NARROW = len(CASES) + 4 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 2
 # -march for each target, and the registers its library must not use.
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 

@@ -11,7 +11,7 @@ from helpers import TOL
 from jax.test_util import check_grads
 
 from treeattn._native import load_kernel
-from treeattn.models import LlamaConfig, MultiheadAttention, Transformer
+from treeattn.models import LlamaConfig, MultiheadAttention, PackedWeight, Transformer
 from treeattn.models._layers import _xla_rows, apply_linears, matmul
 
 
@@ -112,11 +112,9 @@ def test_without_the_cpu_kernel_few_float32_rows_are_multiplied_as_columns(rows,
     assert (products == [f"128,{rows}"]) == as_columns, products
 
 
-def matmul_calls(text: str) -> list[int]:
+def matmul_calls(text: str, target: str = "treeattn_cpu_matmul") -> list[int]:
     """The C++ product calls of a compiled program: the number of weights of each."""
-    calls = [
-        line for line in text.splitlines() if 'custom_call_target="treeattn_cpu_matmul"' in line
-    ]
+    calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
     return [line.split("custom-call(")[1].split(")")[0].count("%") - 1 for line in calls]
 
 
@@ -187,3 +185,134 @@ def test_grouped_products_match_one_by_one(getkey):
     g2 = jax.grad(alone, argnums=(0, 1))(same, x)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed weights
+# ---------------------------------------------------------------------------------------------
+
+# (out, in): a partial last panel, several partial tiles of panels, and a weight large enough
+# to be cut into chunks over the threads; float32 takes an odd number of inputs too.
+PACKED_SHAPES = [(24, 16), (37, 64), (300, 256), (16, 7)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [(1,), (3,), (8,), (2, 5), (12,), (33,)])
+def test_packed_matches_float64(rows, shape, dtype, getkey):
+    out, n = shape
+    if dtype == jnp.bfloat16 and n % 2:
+        pytest.skip("bfloat16 packs an even number of inputs")
+    x = jax.random.normal(getkey(), (*rows, n), dtype)
+    w = jax.random.normal(getkey(), (out, n), dtype)
+    packed = PackedWeight.of(w)
+    got = jax.jit(matmul)(x, packed)
+    assert got.shape == (*rows, out) and got.dtype == dtype
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=PRODUCT_TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_packed_layout_rows_and_casts(dtype, getkey):
+    """The documented layout, `unpack` back to the array, rows read as `w[i]` reads them
+    (negative from the end, out of range the nearest), and a cast that packs the cast array."""
+    w = jax.random.normal(getkey(), (37, 6), dtype)
+    packed = PackedWeight.of(w)
+    assert packed.shape == (37, 6) and packed.dtype == dtype
+    panels, wn = np.asarray(packed.panels, np.float32), np.asarray(w, np.float32)
+    if dtype == jnp.bfloat16:
+        assert panels.shape == (3, 3, 16, 2)
+        assert panels[2, 1, 4, 1] == wn[36, 3] and panels[0, 2, 3, 0] == wn[3, 4]
+    else:
+        assert panels.shape == (3, 6, 16)
+        assert panels[2, 3, 4] == wn[36, 3] and panels[0, 4, 3] == wn[3, 4]
+    assert not panels[2, :, 5:].any()  # the padding of the last panel
+    np.testing.assert_array_equal(np.asarray(packed.unpack(), np.float32), wn)
+    ids = jnp.array([0, 5, 16, 36, -1, -37, 37, 1000, -1000])
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(packed.__getitem__)(ids), np.float32), np.asarray(w[ids], np.float32)
+    )
+    other = jnp.float32 if dtype == jnp.bfloat16 else jnp.bfloat16
+    assert packed.astype(dtype) is packed
+    np.testing.assert_array_equal(
+        np.asarray(packed.astype(other).panels, np.float32),
+        np.asarray(PackedWeight.of(w.astype(other)).panels, np.float32),
+    )
+
+
+@pytest.mark.parametrize(
+    ("w", "what"),
+    [
+        (jnp.ones((8, 5), jnp.bfloat16), "bfloat16\\[8, 5\\]"),
+        (jnp.ones((2, 8, 4)), "float32\\[2, 8, 4\\]"),
+        (jnp.ones((8, 4), jnp.int32), "int32\\[8, 4\\]"),
+    ],
+)
+def test_packed_refuses_what_it_cannot_pack(w, what):
+    assert not PackedWeight.packs(w)
+    with pytest.raises(ValueError, match=f"PackedWeight.of: w must be .*got {what}"):
+        PackedWeight.of(w)
+
+
+@pytest.mark.parametrize("rows", [(1,), (4,), (40,)])
+def test_packed_derivatives(rows, getkey):
+    """Derivatives in `x` and in the packed weight are those of the array's, packed; and
+    first order against finite differences (float32, whose second differences are noise)."""
+    x = jax.random.normal(getkey(), (*rows, 6))
+    w = jax.random.normal(getkey(), (20, 6))
+    packed = PackedWeight.of(w)
+    f = lambda x, w: jnp.sum(jnp.sin(matmul(x, w)))  # noqa: E731
+    gx, gw = jax.grad(f, argnums=(0, 1))(x, w)
+    px, pw = jax.grad(f, argnums=(0, 1))(x, packed)
+    np.testing.assert_allclose(px, gx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pw.unpack(), gw, rtol=1e-5, atol=1e-5)
+    check_grads(matmul, (x, packed), order=1, modes=["fwd", "rev"], atol=2e-2, rtol=2e-2)
+
+
+def test_packed_vmap_over_rows_and_over_weights(getkey):
+    x = jax.random.normal(getkey(), (3, 1, 8))
+    ws = jax.random.normal(getkey(), (3, 20, 8))
+    packed = jax.vmap(PackedWeight.of)(ws)
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    one = PackedWeight.of(ws[0])
+    np.testing.assert_allclose(jax.vmap(matmul, (0, None))(x, one), x @ ws[0].T, **close)
+    np.testing.assert_allclose(jax.vmap(matmul)(x, packed), x @ jnp.swapaxes(ws, 1, 2), **close)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 32, 33])
+def test_packed_few_rows_are_one_kernel_call(rows):
+    """1 to 32 rows: one call of the packed C++ product, reading the panels as they lie (no
+    other weight-sized buffer); more: XLA's product on the panels."""
+    x = jnp.ones((rows, 64), jnp.float32)
+    packed = PackedWeight.of(jnp.ones((128, 64), jnp.float32))
+    text = jax.jit(matmul).lower(x, packed).compile().as_text()
+    assert matmul_calls(text, "treeattn_cpu_matmul_packed") == ([1] if rows <= 32 else [])
+    assert matmul_calls(text) == []
+    assert (" dot(" in text) == (rows > 32)
+    if rows <= 32:
+        entry = text[text.index("\nENTRY") :].splitlines()[1:]
+        made = [line for line in entry if "parameter(" not in line]
+        sized = r"= f32\[(8,64,16|64,8,16|128,64|64,128)\]"
+        assert not [line for line in made if re.search(sized, line)], made
+
+
+@needs_kernel
+def test_a_packed_layer_projects_q_k_v_in_one_call():
+    """A decoder's prepared model: its projections packed, q, k and v one call of three."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    decoder = Transformer(config, key=jax.random.key(0)).decoder(max_len=8)
+    text = decoder.compiled_step().as_text()
+    packed = "treeattn_cpu_matmul_packed"
+    assert sorted(matmul_calls(text, packed)) == sorted([3, 1, 2, 1] * 2 + [1])
+    assert matmul_calls(text) == []

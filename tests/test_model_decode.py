@@ -19,6 +19,7 @@ from treeattn.models import (
     AttentionBackend,
     KVCache,
     LlamaConfig,
+    PackedWeight,
     Transformer,
     decode_step,
     generate,
@@ -210,6 +211,35 @@ def test_a_stacked_model_copies_neither_its_weights_nor_its_cache():
         cache = model.init_cache(MAX_LEN, layout="bhsd")
         temps = compiled_step(model, cache, "flash").memory_analysis().temp_size_in_bytes
         assert temps < layer_weights / 4
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_packed_weights_decode_as_the_arrays_do(dtype, tied):
+    """A decoder with its weights packed (`PackedWeight`, the default on CPU; a tied embedding
+    too, whose rows the prompt's tokens read) gives the logits and greedy tokens of one that
+    reads the arrays, with prompts of different lengths in a batch. (Fixed prompts: in
+    bfloat16 two logits can round to a tie that the two sums break differently.)"""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
+    model = Transformer(config, dtype=dtype, key=jax.random.key(0))
+    prompts = jax.random.randint(jax.random.key(1), (2, 6), 0, config.vocab_size)
+    mask = jnp.array([[True] * 6, [False] * 2 + [True] * 4])
+    runs, generated = {}, {}
+    for packed in (True, False):
+        decoder = model.decoder(max_len=32, batch=2, packed=packed)
+        leaves = jax.tree.leaves(decoder._prep.model, is_leaf=lambda x: isinstance(x, PackedWeight))
+        weights = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]
+        assert len(weights) == (7 * config.num_hidden_layers + 1) * packed
+        steps = [decoder.prefill(prompts, logits_to_keep=1)[:, -1]]
+        for _ in range(4):
+            steps.append(decoder.step(jnp.argmax(steps[-1], axis=-1)))
+        runs[packed] = np.stack([np.asarray(x, np.float32) for x in steps])
+        decoder.reset()
+        generated[packed] = decoder.generate(prompts, max_new_tokens=5, attention_mask=mask)
+    close = {"rtol": 1e-5, "atol": 1e-5} if dtype == jnp.float32 else {"rtol": 0, "atol": 0.1}
+    np.testing.assert_allclose(runs[True], runs[False], **close)
+    np.testing.assert_array_equal(runs[True].argmax(-1), runs[False].argmax(-1))
+    np.testing.assert_array_equal(generated[True], generated[False])
 
 
 def test_decode_step_donates_the_cache():

@@ -1097,6 +1097,235 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
 
 
 // ---------------------------------------------------------------------------------------------
+// Few-row matrix products on packed weights: y[r, o] = sum_i x[r, i] w[o, i], w in panels
+// ---------------------------------------------------------------------------------------------
+//
+// The same product with the weight laid out once (`treeattn.models.pack_weight`, done by a
+// `Decoder` when it prepares a model) in panels of kPanel output rows: float32 [out / kPanel,
+// in, kPanel], bfloat16 [out / kPanel, in / 2, kPanel, 2] (pairs of inputs side by side, as the
+// CPU's bfloat16 dot products take them), the last panel padded with zeros. A panel's kPanel
+// weights of one input are one vector, multiplied by that input of each row broadcast to every
+// lane: the sums build up in the lanes of their outputs and need no reduction across lanes,
+// and a tile of panels is one sequential stream each. With [out, in] rows, each tile of rows
+// ends in such reductions (for 8 rows of 256 inputs: about a third of the tile's arithmetic).
+
+constexpr int kPanel = 16;
+constexpr int kPanelVectors = kPanel / kLanes;  // vectors per panel row: 1 on AVX-512
+
+// Panels per tile for nr input rows: as many as keep nr * NP * kPanelVectors sums in half the
+// registers (the rest hold the weight vectors and broadcast inputs), at most 4 streams.
+constexpr int pk_tile(int nr) {
+  const int fit = (kMmRegisters - 8) / (nr * kPanelVectors);
+  return fit < 1 ? 1 : (fit > 4 ? 4 : fit);
+}
+
+// out[r][p * kPanel + o] for NR rows of float32 x (row stride `in`) and NP panels starting at
+// w (panel stride `ps` elements). T: float32 weights, or bfloat16 pairs widened as loaded.
+template <int NR, int NP, typename T>
+inline void pk_tile_f32(const float* __restrict x, int64_t in, const T* __restrict w, int64_t ps,
+                        float* __restrict out) {
+  constexpr int V = NP * kPanelVectors;
+  vf32 acc[NR][V] = {};
+  constexpr int64_t kAheadBytes = 1024;
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < in; ++i) {
+      vf32 wv[V];
+      for (int p = 0; p < NP; ++p) {
+        const float* row = w + p * ps + i * kPanel;
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + kAheadBytes, 0, 2);
+        for (int v = 0; v < kPanelVectors; ++v) wv[p * kPanelVectors + v] = vload(row + v * kLanes);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const vf32 xs = splat(x[r * in + i]);
+        for (int k = 0; k < V; ++k) acc[r][k] += xs * wv[k];
+      }
+    }
+  } else {  // bfloat16 pairs: lane o of a 32-bit word holds w[o, 2j] low, w[o, 2j + 1] high
+    for (int64_t j = 0; j < in / 2; ++j) {
+      vf32 even[V], odd[V];
+      for (int p = 0; p < NP; ++p) {
+        const uint16_t* row = w + p * ps + j * 2 * kPanel;
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + kAheadBytes, 0, 2);
+        for (int v = 0; v < kPanelVectors; ++v) {
+          vu32 u;
+          std::memcpy(&u, row + 2 * v * kLanes, sizeof u);
+          even[p * kPanelVectors + v] = as_float(vi32(u << 16));
+          odd[p * kPanelVectors + v] = as_float(vi32(u & 0xFFFF0000u));
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const vf32 x0 = splat(x[r * in + 2 * j]), x1 = splat(x[r * in + 2 * j + 1]);
+        for (int k = 0; k < V; ++k) acc[r][k] += x0 * even[k] + x1 * odd[k];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < V; ++k) vstore(out + r * NP * kPanel + k * kLanes, acc[r][k]);
+}
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 rows and pair-packed bfloat16 panels, by the CPU's bfloat16 dot
+// products: each takes a panel's 16 pairs and a row's pair of inputs broadcast to every lane.
+template <int NR, int NP>
+inline void pk_tile_bf16(const uint16_t* __restrict x, int64_t in,
+                         const uint16_t* __restrict w, int64_t ps, float* __restrict out) {
+  static_assert(kPanelVectors == 1);
+  __m512 acc[NR][NP];
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < in / 2; ++j) {
+    __m512bh wv[NP];
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* row = w + p * ps + j * 2 * kPanel;
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + 1024, 0, 2);
+      wv[p] = (__m512bh)_mm512_loadu_si512(row);
+    }
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * in + 2 * j, sizeof pair);
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xs, wv[p]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out + (r * NP + p) * kPanel, acc[r][p]);
+}
+#endif
+
+// Panels [p0, p1) of y = x w^T for input rows [r0, r0 + NR).
+template <int NR, typename X, typename T>
+void pk_group(const X* x, int64_t r0, int64_t in, const T* w, int64_t out, int64_t p0,
+              int64_t p1, T* y) {
+  constexpr int kNp = pk_tile(NR);
+  const int64_t ps = in * kPanel;  // elements per panel (bfloat16: in / 2 pairs of kPanel x 2)
+  float tile[NR * kNp * kPanel];
+  for (int64_t p = p0; p < p1; p += kNp) {
+    const int64_t np = std::min<int64_t>(kNp, p1 - p);
+    with_count(np, [&](auto NP) {
+      constexpr int kp = decltype(NP)::value;
+      if constexpr (kp <= kNp) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<X, uint16_t>) {
+          pk_tile_bf16<NR, kp>(x + r0 * in, in, w + p * ps, ps, tile);
+        }
+#endif
+        if constexpr (std::is_same_v<X, float>) {
+          pk_tile_f32<NR, kp, T>(x + r0 * in, in, w + p * ps, ps, tile);
+        }
+      }
+    });
+    const int64_t o0 = p * kPanel, width = std::min<int64_t>(np * kPanel, out - o0);
+    for (int64_t a = 0; a < NR; ++a)
+      for (int64_t b = 0; b < width; ++b) store(y + (r0 + a) * out + o0 + b, tile[a * np * kPanel + b]);
+  }
+}
+
+template <typename X, typename T>
+void pk_rows(const X* x, int64_t rows, int64_t in, const T* w, int64_t out, int64_t p0,
+             int64_t p1, T* y) {
+  const int64_t groups = (rows + kMmRows - 1) / kMmRows;
+  for (int64_t g = 0, r = 0; g < groups; ++g) {
+    const int64_t nr = (rows - r) / (groups - g) + ((rows - r) % (groups - g) != 0);
+    with_count(nr, [&](auto NR) {
+      if constexpr (decltype(NR)::value <= kMmRows) {
+        pk_group<decltype(NR)::value>(x, r, in, w, out, p0, p1, y);
+      }
+    });
+    r += nr;
+  }
+}
+
+template <typename T>
+void matmul_packed(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
+                   const std::vector<MmWeight>& weights) {
+  int64_t elements = 0;
+  for (const auto& wt : weights) elements += wt.out * in;
+  const int64_t chunks =
+      elements >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
+  const int64_t per =
+      std::max<int64_t>(1, (elements + chunks - 1) / chunks / std::max<int64_t>(in * kPanel, 1));
+  const int64_t step = (per + 3) / 4 * 4;  // panels per chunk, whole tiles
+  struct Chunk {
+    int64_t weight, p0, p1;
+  };
+  std::vector<Chunk> parts;
+  for (int64_t j = 0; j < static_cast<int64_t>(weights.size()); ++j) {
+    const int64_t panels = (weights[j].out + kPanel - 1) / kPanel;
+    for (int64_t p = 0; p < panels; p += step)
+      parts.push_back({j, p, std::min<int64_t>(panels, p + step)});
+  }
+#if defined(__AVX512BF16__)
+  const bool widen = false;
+#else
+  const bool widen = !std::is_same_v<T, float>;
+#endif
+  std::vector<float> widened(widen ? rows * in : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(widened.size()); ++i) widened[i] = load(x + i);
+  parallel_for(pool, static_cast<int64_t>(parts.size()), [&](int64_t c) {
+    const Chunk& part = parts[c];
+    const MmWeight& wt = weights[part.weight];
+    const T* w = static_cast<const T*>(wt.w);
+    T* y = static_cast<T*>(wt.y);
+    if (widen) {
+      pk_rows<float, T>(widened.data(), rows, in, w, wt.out, part.p0, part.p1, y);
+    } else {
+      pk_rows<T, T>(x, rows, in, w, wt.out, part.p0, part.p1, y);
+    }
+  });
+}
+
+// x [..., in] and packed weights (float32 [panels, in, kPanel], bfloat16 [panels, in / 2,
+// kPanel, 2]) to y_j [..., out_j], panels = ceil(out_j / kPanel).
+ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                        ffi::RemainingRets ys) {
+  const auto xd = x.dimensions();
+  const auto dtype = x.element_type();
+  if (xd.size() < 1 || ws.size() == 0 || ws.size() != ys.size()) {
+    return ffi::Error::InvalidArgument(
+        "treeattn_cpu_matmul_packed: x [..., in], then packed weights, one result per weight");
+  }
+  if (dtype != ffi::F32 && dtype != ffi::BF16) {
+    return ffi::Error::InvalidArgument(
+        "treeattn_cpu_matmul_packed: dtype must be float32 or bfloat16");
+  }
+  const int64_t in = xd.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  const bool pairs = dtype == ffi::BF16;
+  std::vector<MmWeight> weights;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    auto y = ys.get<ffi::AnyBuffer>(j);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument(
+          "treeattn_cpu_matmul_packed: weights and results are buffers");
+    }
+    const auto wd = w->dimensions();
+    const auto yd = (*y)->dimensions();
+    const int64_t out = yd.size() ? yd.back() : 0;
+    const bool shape_ok =
+        pairs ? (wd.size() == 4 && in % 2 == 0 && wd[1] == in / 2 && wd[2] == kPanel && wd[3] == 2)
+              : (wd.size() == 3 && wd[1] == in && wd[2] == kPanel);
+    if (!shape_ok || wd[0] != (out + kPanel - 1) / kPanel || w->element_type() != dtype ||
+        (*y)->element_type() != dtype || (*y)->element_count() != rows * out) {
+      return ffi::Error::InvalidArgument(
+          "treeattn_cpu_matmul_packed: each weight must be packed from [out, in] with x's in "
+          "and dtype (float32 [ceil(out / 16), in, 16], bfloat16 [ceil(out / 16), in / 2, 16, "
+          "2]), its result [..., out]");
+    }
+    weights.push_back({w->untyped_data(), (*y)->untyped_data(), out});
+  }
+  if (dtype == ffi::F32) {
+    matmul_packed<float>(pool, static_cast<const float*>(x.untyped_data()), rows, in, weights);
+  } else {
+    matmul_packed<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()), rows, in,
+                            weights);
+  }
+  return ffi::Error::Success();
+}
+
+
+// ---------------------------------------------------------------------------------------------
 // Slice writes into a KV cache: y = x with update[r] at starts[r], for each r
 // ---------------------------------------------------------------------------------------------
 //
@@ -1186,6 +1415,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuDecode, Decode,
                                   .Attr<bool>("has_pos"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmulPacked, MatmulPacked,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

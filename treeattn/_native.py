@@ -43,6 +43,10 @@ TARGET = "treeattn_cpu_decode"
 SYMBOL = "TreeattnCpuDecode"
 MATMUL_TARGET = "treeattn_cpu_matmul"
 MATMUL_SYMBOL = "TreeattnCpuMatmul"
+PACKED_TARGET = "treeattn_cpu_matmul_packed"
+PACKED_SYMBOL = "TreeattnCpuMatmulPacked"
+# Output rows per panel of a packed weight (`kPanel` in the kernel).
+PANEL = 16
 WRITE_TARGET = "treeattn_cpu_write"
 WRITE_SYMBOL = "TreeattnCpuWrite"
 SOURCE = Path(__file__).with_name("_cpu_kernel.cc")
@@ -329,6 +333,7 @@ def load_kernel() -> str | None:
         for target, symbol in (
             (TARGET, SYMBOL),
             (MATMUL_TARGET, MATMUL_SYMBOL),
+            (PACKED_TARGET, PACKED_SYMBOL),
             (WRITE_TARGET, WRITE_SYMBOL),
         ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))

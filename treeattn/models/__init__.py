@@ -16,6 +16,7 @@ from ._generate import (
 )
 from ._layers import (
     Llama3Scaling as Llama3Scaling,
+    PackedWeight as PackedWeight,
     RMSNorm as RMSNorm,
     RotaryEmbedding as RotaryEmbedding,
     SwiGLU as SwiGLU,

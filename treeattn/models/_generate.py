@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._native import load_kernel
 from ..decode import AttentionBackend, AttentionName
 from ._cache import (
     Cache,
@@ -29,6 +30,7 @@ from ._cache import (
     reserve,
 )
 from ._checks import check_token_ids, check_token_type
+from ._layers import PackedWeight
 
 
 if TYPE_CHECKING:
@@ -40,14 +42,40 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 
 
+def packed_weights(model: Transformer) -> Transformer:
+    """`model` with every projection's weight (and a tied embedding, which the logits read as
+    a weight) a `PackedWeight`, where it can be packed; stacked layers are unstacked first."""
+    model = model.unstack_layers()
+
+    def pack(m):
+        if isinstance(m, eqx.nn.Linear) and PackedWeight.packs(m.weight):
+            return eqx.tree_at(lambda linear: linear.weight, m, PackedWeight.of(m.weight))
+        return m
+
+    model = jax.tree.map(pack, model, is_leaf=lambda m: isinstance(m, eqx.nn.Linear))
+    table = model.embed_tokens.weight
+    if model.lm_head is None and PackedWeight.packs(table):
+        model = eqx.tree_at(lambda m: m.embed_tokens.weight, model, PackedWeight.of(table))
+    return model
+
+
+def packs_here() -> bool:
+    """Whether decoding packs weights by default: on CPU, where the C++ product is built."""
+    return jax.default_backend() == "cpu" and load_kernel() is None
+
+
 class Prepared:
     """A model as decoding reads it, made once per model: every layer with arrays of its own
     (a stacked layer is copied here, once, never per step: XLA materialises a slice of a
-    stacked weight before a product reads it), its parameters flattened once, and the compiled
+    stacked weight before a product reads it), on CPU its weights packed for the C++ product
+    (`PackedWeight`, unless `packed=False`), its parameters flattened once, and the compiled
     programs that run it (their static part is closed over, so a call hashes nothing)."""
 
-    def __init__(self, model: Transformer):
-        model = model.unstack_layers()
+    def __init__(self, model: Transformer, packed: bool | None = None):
+        if packed is None:
+            packed = packs_here()
+        model = packed_weights(model) if packed else model.unstack_layers()
+        self.packed = packed
         params, self.static = eqx.partition(model, eqx.is_array)
         self.leaves, self.treedef = jax.tree.flatten(params)
         self.config = model.config
@@ -85,19 +113,24 @@ class Prepared:
         return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
 
 
-_PREPARED: dict[int, tuple[weakref.ref, Prepared]] = {}
+_PREPARED: dict[tuple[int, bool], tuple[weakref.ref, Prepared]] = {}
 
 
-def prepared(model: Transformer | Prepared) -> Prepared:
-    """`model` prepared for decoding, once per model object (a new object, e.g. after
-    `eqx.tree_at`, is prepared anew)."""
+def prepared(model: Transformer | Prepared, packed: bool | None = None) -> Prepared:
+    """`model` prepared for decoding (weights packed or not, default `packs_here()`), once per
+    model object (a new object, e.g. after `eqx.tree_at`, is prepared anew)."""
     if isinstance(model, Prepared):
+        if packed is not None and packed != model.packed:
+            raise ValueError(
+                f"prepared: packed={packed} for a model prepared with packed={model.packed}"
+            )
         return model
-    key = id(model)
+    packed = packs_here() if packed is None else packed
+    key = (id(model), packed)
     known = _PREPARED.get(key)
     if known is not None and known[0]() is model:
         return known[1]
-    result = Prepared(model)
+    result = Prepared(model, packed)
     _PREPARED[key] = (weakref.ref(model, lambda _: _PREPARED.pop(key, None)), result)
     return result
 
@@ -146,9 +179,12 @@ class Decoder:
 
     Made by [`Transformer.decoder`][treeattn.models.Transformer.decoder]. Every layer reads its
     own arrays (a model stored stacked, as constructed, loaded or trained, is copied once here,
-    never per step), every step reads each weight and each cached key and value once and writes
-    the new token's keys and values in place, and the host knows the cache's length, so a
-    step that would overflow it is refused before it runs and the program itself checks
+    never per step), on CPU laid out once in panels for treeattn's C++ product
+    ([`PackedWeight`][treeattn.models.PackedWeight]; a second copy of the weights while the
+    model object itself is alive; `packed=False` keeps the model's arrays). Every step reads
+    each weight and each cached key and value once and writes the new token's keys and values
+    in place, and the host knows the cache's length, so a step that would overflow it is
+    refused before it runs and the program itself checks
     nothing. Calls compile once per shape.
 
     ```python
@@ -161,7 +197,8 @@ class Decoder:
     ```
 
     **Attributes:** `cache` (the current cache), `length` (the tokens it holds, on the host:
-    an int, or `[batch]`), `max_len`, `batch` (None: one sequence), `backend`.
+    an int, or `[batch]`), `max_len`, `batch` (None: one sequence), `backend`, `packed`
+    (whether the weights are packed).
     """
 
     def __init__(
@@ -176,8 +213,11 @@ class Decoder:
         dtype=None,
         layout=None,
         block: int | None = None,
+        packed: bool | None = None,
     ):
-        prep = prepared(model)
+        if packed is not None and not isinstance(packed, bool):
+            raise ValueError(f"Decoder: packed must be None, True or False, got {packed!r}")
+        prep = prepared(model, packed)
         if backend is None and (mesh is not None or kv_axis is not None):
             raise ValueError("Decoder: mesh= and kv_axis= go with backend='tree' or 'ring'")
         be = prep.backend if backend is None else AttentionBackend.of(backend, mesh, kv_axis)
@@ -186,6 +226,7 @@ class Decoder:
         if batch is not None and (not isinstance(batch, int) or batch < 1):
             raise ValueError(f"Decoder: batch must be None or a positive int, got {batch!r}")
         self._prep = prep
+        self.packed = prep.packed
         self.backend = be
         self.batch = batch
         attn = prep.model.block(0).self_attn

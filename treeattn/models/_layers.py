@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._native import MATMUL_TARGET, load_kernel
+from .._native import MATMUL_TARGET, PACKED_TARGET, PANEL, load_kernel
 
 
-def _dot(x, w):
+def _dot_array(x, w):
     """`x @ w.T` for a weight `w[out, in]` (Equinox's layout), contracted in place: a transposed
     operand makes XLA:CPU take a slower path (for bfloat16, 10x slower), so `w` is never
     transposed. Float32 accumulation for float types narrower than 32 bits."""
@@ -29,15 +29,117 @@ def _native(x, ws):
     """`_dot` of `x` with each weight of `ws`, by treeattn's C++ product for XLA:CPU
     (`treeattn/_cpu_kernel.cc`): one call for all the weights, whose threads stream each one's
     share of the weight rows once against every row of `x`, at memory speed, float32 sums for
-    bfloat16."""
+    bfloat16. All the weights are `[out, in]` arrays, or all are `PackedWeight`s."""
     rows = x.reshape(-1, x.shape[-1])
     outs = [jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), x.dtype) for w in ws]
-    ys = jax.ffi.ffi_call(MATMUL_TARGET, outs)(rows, *ws)
+    if isinstance(ws[0], PackedWeight):
+        ys = jax.ffi.ffi_call(PACKED_TARGET, outs)(rows, *(w.panels for w in ws))
+    else:
+        ys = jax.ffi.ffi_call(MATMUL_TARGET, outs)(rows, *ws)
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws, strict=True))
+
+
+class PackedWeight(eqx.Module):
+    r"""A weight `w[out, in]` laid out once for few-row products on CPU: panels of 16 output
+    rows, `panels[p, i, o] = w[16 p + o, i]` for float32 (`[ceil(out / 16), in, 16]`) and
+    `panels[p, j, o, h] = w[16 p + o, 2 j + h]` for bfloat16 (`[ceil(out / 16), in / 2, 16,
+    2]`), the last panel padded with zeros.
+
+    The C++ product multiplies a panel's 16 weights of one input by that input of every row,
+    so its sums build up in the vector lanes of their outputs and need no sums across lanes
+    (which cost a product of 8 rows of 256 inputs about a third of its arithmetic with the
+    `[out, in]` layout). A [`Decoder`][treeattn.models.Decoder] packs a model's weights when it
+    prepares it. It stands in for the array wherever a layer reads its weight: `matmul`,
+    `shape`, `dtype`, `astype`, and row lookup (`w[i]`, for a tied embedding).
+
+    ```python
+    w = jax.random.normal(jax.random.key(0), (2048, 768))
+    y = matmul(jnp.ones((8, 768)), PackedWeight.of(w))     # == matmul(jnp.ones((8, 768)), w)
+    ```
+    """
+
+    panels: Float[Array, "panels ..."]
+    out: int = eqx.field(static=True)
+
+    @staticmethod
+    def packs(w) -> bool:
+        """Whether `w` can be packed: a 2-d float32 or bfloat16 array (bfloat16 with an even
+        number of inputs)."""
+        return (
+            getattr(w, "ndim", 0) == 2
+            and w.dtype in NATIVE_DTYPES
+            and (w.dtype != jnp.bfloat16 or w.shape[1] % 2 == 0)
+        )
+
+    @classmethod
+    def of(cls, w: Float[Array, "out n"]) -> PackedWeight:
+        """`w` packed (a copy of it)."""
+        if not cls.packs(w):
+            raise ValueError(
+                "PackedWeight.of: w must be a 2-d float32 or bfloat16 array (bfloat16 with an "
+                f"even number of columns), got {getattr(w, 'dtype', type(w))}"
+                f"{list(getattr(w, 'shape', ()))}"
+            )
+        out, n = w.shape
+        w = jnp.pad(w, ((0, -out % PANEL), (0, 0)))
+        if w.dtype == jnp.bfloat16:
+            panels = w.reshape(-1, PANEL, n // 2, 2).transpose(0, 2, 1, 3)
+        else:
+            panels = w.reshape(-1, PANEL, n).transpose(0, 2, 1)
+        return cls(panels, out)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        p = self.panels.shape
+        return (self.out, p[1] * (2 if self.panels.ndim == 4 else 1))
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    def unpack(self) -> Float[Array, "out n"]:
+        """The weight as an `[out, in]` array."""
+        p = self.panels
+        order = (0, 2, 1, 3) if p.ndim == 4 else (0, 2, 1)
+        return p.transpose(order).reshape(-1, self.shape[1])[: self.out]
+
+    def astype(self, dtype) -> PackedWeight:
+        if jnp.dtype(dtype) == self.dtype:
+            return self
+        return PackedWeight.of(self.unpack().astype(dtype))
+
+    def __getitem__(self, i) -> Array:
+        """Row `i` (an integer index) of the weight, `w[i]`, read from its panel: a negative
+        `i` counts from the end and an `i` out of range reads the nearest row, as for an
+        array."""
+        i = jnp.asarray(i)
+        i = jnp.clip(jnp.where(i < 0, i + self.out, i), 0, self.out - 1)
+        if self.panels.ndim == 4:
+            return self.panels[i // PANEL, :, i % PANEL, :].reshape(self.shape[1])
+        return self.panels[i // PANEL, :, i % PANEL]
+
+    def dot(self, x: Float[Array, "*rows n"]) -> Float[Array, "*rows out"]:
+        """`_dot(x, w)` by XLA, contracted on the panels as they lie (prefill's many rows, the
+        jvp, platforms without the C++ product)."""
+        narrow = jnp.finfo(x.dtype).bits < 32
+        kw = {"preferred_element_type": jnp.float32} if narrow else {}
+        lead = x.shape[:-1]
+        if self.panels.ndim == 4:
+            xs = x.reshape(*lead, -1, 2)
+            dims = (((len(lead), len(lead) + 1), (1, 3)), ((), ()))
+        else:
+            xs, dims = x, (((len(lead),), (1,)), ((), ()))
+        y = jax.lax.dot_general(xs, self.panels, dims, **kw)
+        return y.reshape(*lead, -1)[..., : self.out].astype(x.dtype)
 
 
 def _dots(x, ws):
     return tuple(_dot(x, w) for w in ws)
+
+
+def _dot(x, w):
+    """`x @ w.T` for a weight `w[out, in]` or a `PackedWeight`."""
+    return w.dot(x) if isinstance(w, PackedWeight) else _dot_array(x, w)
 
 
 # The row counts for which the C++ product streams a weight faster than XLA:CPU's dot (whose
@@ -50,12 +152,16 @@ NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def _dot_rows(x, ws):
     """`_dot` of `x` with each weight of `ws`, over all the leading axes of `x` as rows: on
     XLA:CPU, 1 to 32 rows of float32 or bfloat16 by treeattn's C++ product (`_native`, one call
-    for all the weights) when it is built; else `_xla_rows`, one product per weight."""
+    for all the weights, packed or not) when it is built; else `_xla_rows`, one product per
+    weight."""
     rows = math.prod(x.shape[:-1])
     native = x.dtype in NATIVE_DTYPES and all(w.dtype == x.dtype for w in ws)
+    packed = [isinstance(w, PackedWeight) for w in ws]
     if rows in NATIVE_ROWS and native and load_kernel() is None:
-        return jax.lax.platform_dependent(x, ws, cpu=_native, default=_dots)
-    return tuple(_xla_rows(x, w) for w in ws)
+        if all(packed) or not any(packed):
+            return jax.lax.platform_dependent(x, ws, cpu=_native, default=_dots)
+        return tuple(_dot_rows(x, (w,))[0] for w in ws)
+    return tuple(w.dot(x) if p else _xla_rows(x, w) for w, p in zip(ws, packed, strict=True))
 
 
 def _dot_columns(x, w):
@@ -105,6 +211,7 @@ def _matmul_rows_vmap(axis_size, in_batched, x, ws):
     # a batched weight (an ensemble) is one product per member.
     # (Through `_matmul_rows` again, so that an outer `vmap` finds this rule, not the kernel.)
     x_batched, ws_batched = in_batched
+    ws_batched = [any(jax.tree.leaves(b)) for b in ws_batched]  # a PackedWeight is a tree
     if not any(ws_batched):
         return _matmul_rows(x, ws), (x_batched,) * len(ws)
     xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
@@ -126,9 +233,11 @@ def _matmuls_jvp(primals, tangents):
     return _matmuls(x, ws), tuple(_dot(dx, w) + _dot(x, dw) for w, dw in zip(ws, dws, strict=True))
 
 
-def matmul(x: Float[Array, "*rows n"], w: Float[Array, "m n"]) -> Float[Array, "*rows m"]:
-    r"""$x W^\top$ over the rows of `x` for a weight `w[out, in]` (Equinox's layout; same
-    dtypes), accumulated in float32 for narrower floats.
+def matmul(
+    x: Float[Array, "*rows n"], w: Float[Array, "m n"] | PackedWeight
+) -> Float[Array, "*rows m"]:
+    r"""$x W^\top$ over the rows of `x` for a weight `w[out, in]` (Equinox's layout, or the
+    same weight as a `PackedWeight`; same dtypes), accumulated in float32 for narrower floats.
 
     One product for every row of every `vmap`ped call, so a decode step of many sequences
     reads each weight once. Differentiable in both arguments, in forward and reverse mode.
@@ -153,7 +262,7 @@ def apply_linears(
     standard promotion), whatever the promotion mode. Projections of one dtype are one product
     call (a layer's q, k and v: on CPU the threads start once for the three)."""
     with jax.numpy_dtype_promotion("standard"):
-        dtypes = [jnp.result_type(x, p.weight) for p in projs]
+        dtypes = [jnp.result_type(x, p.weight.dtype) for p in projs]
         if len(set(dtypes)) == 1:
             ys = _matmuls(x.astype(dtypes[0]), tuple(p.weight.astype(dtypes[0]) for p in projs))
         else:

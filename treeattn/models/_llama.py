@@ -313,7 +313,7 @@ class Transformer(eqx.Module):
         x = self.norm(x)
         if self.lm_head is None:
             with jax.numpy_dtype_promotion("standard"):
-                dtype = jnp.result_type(x, self.embed_tokens.weight)
+                dtype = jnp.result_type(x, self.embed_tokens.weight.dtype)
             logits = matmul(x.astype(dtype), self.embed_tokens.weight.astype(dtype))
         else:
             logits = apply_linear(self.lm_head, x)
