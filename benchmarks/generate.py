@@ -358,7 +358,7 @@ def compare_products(args, config) -> list:
     import jax
     import jax.numpy as jnp
 
-    from treeattn.models import matmul  # the product every projection of the model runs
+    from treeattn.models import PackedWeight, matmul  # what every projection of the model runs
 
     hidden, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
     shapes = {
@@ -378,10 +378,14 @@ def compare_products(args, config) -> list:
         return y.astype(x.dtype)
 
     ours, read = jax.jit(matmul), jax.jit(jnp.sum)
-    print("\nproducts with a few rows: the model's matmul against XLA's x @ w.T")
+    print(
+        "\nproducts with a few rows: the model's matmul (on the array, and packed as a Decoder "
+        "packs it) against XLA's x @ w.T"
+    )
     header = (
         f"{'dtype':<9} {'weight':<9} {'[out, in]':>12} {'rows':>4} {'stream':>9} "
-        f"{'XLA':>9} {'matmul':>9} {'XLA/matmul':>10} {'matmul/stream':>13}"
+        f"{'XLA':>9} {'matmul':>9} {'packed':>9} {'XLA/matmul':>10} {'packed/matmul':>13} "
+        f"{'packed/stream':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -390,6 +394,7 @@ def compare_products(args, config) -> list:
         dtype = jnp.dtype(dtype_name)
         for name, shape in shapes.items():
             w = jax.random.normal(jax.random.key(0), shape, dtype)
+            packed = PackedWeight.of(w) if PackedWeight.packs(w) else None
             for rows in (1, 2, 8, 32, 64):
                 x = jax.random.normal(jax.random.key(1), (rows, shape[1]), dtype)
                 fns = {
@@ -397,6 +402,8 @@ def compare_products(args, config) -> list:
                     "xla": lambda x=x, w=w: jax.block_until_ready(xla(x, w)),
                     "matmul": lambda x=x, w=w: jax.block_until_ready(ours(x, w)),
                 }
+                if packed is not None:
+                    fns["packed"] = lambda x=x, p=packed: jax.block_until_ready(ours(x, p))
                 for fn in fns.values():
                     fn()
                 m = timed_rounds(fns, 5 * args.repeats)
@@ -409,12 +416,17 @@ def compare_products(args, config) -> list:
                     "xla_over_matmul": m["xla"] / m["matmul"],
                     "matmul_over_stream": m["matmul"] / m["stream"],
                 }
+                if "packed" in m:
+                    row["packed_over_matmul"] = m["packed"] / m["matmul"]
+                    row["packed_over_stream"] = m["packed"] / m["stream"]
                 rows_out.append(row)
                 print(
                     f"{dtype_name:<9} {name:<9} {str(list(shape)):>12} {rows:>4} "
                     f"{m['stream'] * 1e3:>7.2f}ms {m['xla'] * 1e3:>7.2f}ms "
-                    f"{m['matmul'] * 1e3:>7.2f}ms {row['xla_over_matmul']:>9.2f}x "
-                    f"{row['matmul_over_stream']:>12.2f}x"
+                    f"{m['matmul'] * 1e3:>7.2f}ms {m.get('packed', float('nan')) * 1e3:>7.2f}ms "
+                    f"{row['xla_over_matmul']:>9.2f}x "
+                    f"{row.get('packed_over_matmul', float('nan')):>12.2f}x "
+                    f"{row.get('packed_over_stream', float('nan')):>12.2f}x"
                 )
     return rows_out
 

@@ -198,7 +198,7 @@ PACKED_SHAPES = [(24, 16), (37, 64), (300, 256), (16, 7)]
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("rows", [(1,), (3,), (8,), (2, 5), (12,), (33,)])
+@pytest.mark.parametrize("rows", [(1,), (3,), (8,), (2, 5), (12,), (33,), (70,)])
 def test_packed_matches_float64(rows, shape, dtype, getkey):
     out, n = shape
     if dtype == jnp.bfloat16 and n % 2:
@@ -281,21 +281,31 @@ def test_packed_vmap_over_rows_and_over_weights(getkey):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 8, 32, 33])
-def test_packed_few_rows_are_one_kernel_call(rows):
-    """1 to 32 rows: one call of the packed C++ product, reading the panels as they lie (no
-    other weight-sized buffer); more: XLA's product on the panels."""
+@pytest.mark.parametrize("rows", [1, 8, 33, 512])
+def test_packed_rows_are_one_kernel_call(rows):
+    """Any number of rows: one call of the packed C++ product, reading the panels as they lie
+    (no other weight-sized buffer, no XLA product)."""
     x = jnp.ones((rows, 64), jnp.float32)
     packed = PackedWeight.of(jnp.ones((128, 64), jnp.float32))
     text = jax.jit(matmul).lower(x, packed).compile().as_text()
-    assert matmul_calls(text, "treeattn_cpu_matmul_packed") == ([1] if rows <= 32 else [])
-    assert matmul_calls(text) == []
-    assert (" dot(" in text) == (rows > 32)
-    if rows <= 32:
-        entry = text[text.index("\nENTRY") :].splitlines()[1:]
-        made = [line for line in entry if "parameter(" not in line]
-        sized = r"= f32\[(8,64,16|64,8,16|128,64|64,128)\]"
-        assert not [line for line in made if re.search(sized, line)], made
+    assert matmul_calls(text, "treeattn_cpu_matmul_packed") == [1]
+    assert matmul_calls(text) == [] and " dot(" not in text
+    entry = text[text.index("\nENTRY") :].splitlines()[1:]
+    made = [line for line in entry if "parameter(" not in line]
+    sized = r"= f32\[(8,64,16|64,8,16|128,64|64,128)\]"
+    assert not [line for line in made if re.search(sized, line)], made
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_packed_by_xla_matches_float64(dtype, getkey):
+    """The product XLA computes on the panels (the jvp's, and where the C++ one is not built)."""
+    x = jax.random.normal(getkey(), (5, 2, 64), dtype)
+    w = jax.random.normal(getkey(), (37, 64), dtype)
+    got = PackedWeight.of(w).dot(x)
+    assert got.shape == (5, 2, 37) and got.dtype == dtype
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=PRODUCT_TOL[dtype] * scale)
 
 
 @needs_kernel

@@ -1220,18 +1220,28 @@ void pk_group(const X* x, int64_t r0, int64_t in, const T* w, int64_t out, int64
   }
 }
 
+// Panels [p0, p1) for every input row, in groups of at most kMmRows rows of equal size. With
+// more than one group the panels go in blocks of about 256 KiB (a multiple of 12 panels, whole
+// tiles of 1-4), each passed over by every group while it stays in L2: the weight is read from
+// memory once however many rows there are.
 template <typename X, typename T>
 void pk_rows(const X* x, int64_t rows, int64_t in, const T* w, int64_t out, int64_t p0,
              int64_t p1, T* y) {
   const int64_t groups = (rows + kMmRows - 1) / kMmRows;
-  for (int64_t g = 0, r = 0; g < groups; ++g) {
-    const int64_t nr = (rows - r) / (groups - g) + ((rows - r) % (groups - g) != 0);
-    with_count(nr, [&](auto NR) {
-      if constexpr (decltype(NR)::value <= kMmRows) {
-        pk_group<decltype(NR)::value>(x, r, in, w, out, p0, p1, y);
-      }
-    });
-    r += nr;
+  const int64_t panel_bytes = std::max<int64_t>(1, in * kPanel * static_cast<int64_t>(sizeof(T)));
+  const int64_t block =
+      groups == 1 ? p1 - p0 : std::max<int64_t>(12, (int64_t{1} << 18) / panel_bytes / 12 * 12);
+  for (int64_t b0 = p0; b0 < p1; b0 += block) {
+    const int64_t b1 = std::min(p1, b0 + block);
+    for (int64_t g = 0, r = 0; g < groups; ++g) {
+      const int64_t nr = (rows - r) / (groups - g) + ((rows - r) % (groups - g) != 0);
+      with_count(nr, [&](auto NR) {
+        if constexpr (decltype(NR)::value <= kMmRows) {
+          pk_group<decltype(NR)::value>(x, r, in, w, out, b0, b1, y);
+        }
+      });
+      r += nr;
+    }
   }
 }
 

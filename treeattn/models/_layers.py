@@ -39,6 +39,16 @@ def _native(x, ws):
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws, strict=True))
 
 
+@jax.jit
+def _panels(w):
+    """`w[out, in]` in panels of PANEL output rows (one pass: the pad and the transpose fuse)."""
+    out, n = w.shape
+    w = jnp.pad(w, ((0, -out % PANEL), (0, 0)))
+    if w.dtype == jnp.bfloat16:
+        return w.reshape(-1, PANEL, n // 2, 2).transpose(0, 2, 1, 3)
+    return w.reshape(-1, PANEL, n).transpose(0, 2, 1)
+
+
 class PackedWeight(eqx.Module):
     r"""A weight `w[out, in]` laid out once for few-row products on CPU: panels of 16 output
     rows, `panels[p, i, o] = w[16 p + o, i]` for float32 (`[ceil(out / 16), in, 16]`) and
@@ -48,9 +58,11 @@ class PackedWeight(eqx.Module):
     The C++ product multiplies a panel's 16 weights of one input by that input of every row,
     so its sums build up in the vector lanes of their outputs and need no sums across lanes
     (which cost a product of 8 rows of 256 inputs about a third of its arithmetic with the
-    `[out, in]` layout). A [`Decoder`][treeattn.models.Decoder] packs a model's weights when it
-    prepares it. It stands in for the array wherever a layer reads its weight: `matmul`,
-    `shape`, `dtype`, `astype`, and row lookup (`w[i]`, for a tied embedding).
+    `[out, in]` layout). It takes any number of rows: past 8, blocks of panels stay in L2
+    while every group of 8 rows passes over them, so a prompt's product reads the weight once
+    too. A [`Decoder`][treeattn.models.Decoder] packs a model's weights when it prepares it.
+    It stands in for the array wherever a layer reads its weight: `matmul`, `shape`, `dtype`,
+    `astype`, and row lookup (`w[i]`, for a tied embedding).
 
     ```python
     w = jax.random.normal(jax.random.key(0), (2048, 768))
@@ -80,13 +92,7 @@ class PackedWeight(eqx.Module):
                 f"even number of columns), got {getattr(w, 'dtype', type(w))}"
                 f"{list(getattr(w, 'shape', ()))}"
             )
-        out, n = w.shape
-        w = jnp.pad(w, ((0, -out % PANEL), (0, 0)))
-        if w.dtype == jnp.bfloat16:
-            panels = w.reshape(-1, PANEL, n // 2, 2).transpose(0, 2, 1, 3)
-        else:
-            panels = w.reshape(-1, PANEL, n).transpose(0, 2, 1)
-        return cls(panels, out)
+        return cls(_panels(w), w.shape[0])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -119,8 +125,8 @@ class PackedWeight(eqx.Module):
         return self.panels[i // PANEL, :, i % PANEL]
 
     def dot(self, x: Float[Array, "*rows n"]) -> Float[Array, "*rows out"]:
-        """`_dot(x, w)` by XLA, contracted on the panels as they lie (prefill's many rows, the
-        jvp, platforms without the C++ product)."""
+        """`_dot(x, w)` by XLA, contracted on the panels as they lie (the jvp, platforms
+        without the C++ product; XLA:CPU transposes the panels first)."""
         narrow = jnp.finfo(x.dtype).bits < 32
         kw = {"preferred_element_type": jnp.float32} if narrow else {}
         lead = x.shape[:-1]
@@ -151,16 +157,17 @@ NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 def _dot_rows(x, ws):
     """`_dot` of `x` with each weight of `ws`, over all the leading axes of `x` as rows: on
-    XLA:CPU, 1 to 32 rows of float32 or bfloat16 by treeattn's C++ product (`_native`, one call
-    for all the weights, packed or not) when it is built; else `_xla_rows`, one product per
-    weight."""
+    XLA:CPU, float32 or bfloat16 by treeattn's C++ product (`_native`, one call for all the
+    weights) when it is built: 1 to 32 rows on `[out, in]` arrays, any number on packed
+    weights; else `_xla_rows`, one product per weight."""
     rows = math.prod(x.shape[:-1])
     native = x.dtype in NATIVE_DTYPES and all(w.dtype == x.dtype for w in ws)
     packed = [isinstance(w, PackedWeight) for w in ws]
-    if rows in NATIVE_ROWS and native and load_kernel() is None:
-        if all(packed) or not any(packed):
+    if native and rows >= 1 and load_kernel() is None:
+        if all(packed) or (not any(packed) and rows in NATIVE_ROWS):
             return jax.lax.platform_dependent(x, ws, cpu=_native, default=_dots)
-        return tuple(_dot_rows(x, (w,))[0] for w in ws)
+        if any(packed) and len(ws) > 1:
+            return tuple(_dot_rows(x, (w,))[0] for w in ws)
     return tuple(w.dot(x) if p else _xla_rows(x, w) for w, p in zip(ws, packed, strict=True))
 
 
@@ -242,9 +249,9 @@ def matmul(
     One product for every row of every `vmap`ped call, so a decode step of many sequences
     reads each weight once. Differentiable in both arguments, in forward and reverse mode.
     On XLA:CPU, 1 to 32 rows of float32 or bfloat16 go through treeattn's C++ product, which
-    streams the weight once at memory speed (see `treeattn._native`); without it, 2 to 32
-    float32 rows go through XLA as contiguous columns (`w @ x.T`) and a single bfloat16 or
-    float16 row is padded to two.
+    streams the weight once at memory speed (see `treeattn._native`), and so do any number of
+    rows on a `PackedWeight`; without it, 2 to 32 float32 rows go through XLA as contiguous
+    columns (`w @ x.T`) and a single bfloat16 or float16 row is padded to two.
 
     ```python
     proj = eqx.nn.Linear(768, 2048, use_bias=False, key=jax.random.key(0))
