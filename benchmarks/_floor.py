@@ -353,15 +353,14 @@ def run_cell(cell: Cell, args) -> dict:
     jax.block_until_ready(decoder.step(token))
     steps, floors, kernels = [], [], {k: [] for k in floor.kernels}
     unpacked = []
-    for _ in range(rounds):
+    for i in range(rounds):
         reads = floor.read()
-        start = time.perf_counter()
-        jax.block_until_ready(decoder.step(token))
-        steps.append(time.perf_counter() - start)
-        if arrays is not None:
+        # The two decoders' steps in alternating order (each follows the read in half the rounds).
+        order = [(decoder, steps), (arrays, unpacked)] if arrays is not None else [(decoder, steps)]
+        for dec, times in order[:: 1 if i % 2 == 0 else -1]:
             start = time.perf_counter()
-            jax.block_until_ready(arrays.step(token))
-            unpacked.append(time.perf_counter() - start)
+            jax.block_until_ready(dec.step(token))
+            times.append(time.perf_counter() - start)
         for k, t in reads.items():
             kernels[k].append(t)
         floors.append(min(reads.values()))

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from helpers import TOL, to_layout
 
+from treeattn._native import load_kernel
 from treeattn.decode import flash_attention
 from treeattn.models import PackedWeight
 from treeattn.models._layers import _native
@@ -311,6 +312,14 @@ def pack_if(ws, packed):
     return tuple(PackedWeight.of(w) for w in ws) if packed else ws
 
 
+@pytest.fixture(autouse=True)
+def _kernel_registered():
+    """Every test here runs the C++ kernels (the products call theirs directly): the library
+    built and its targets registered first. A failed build fails them."""
+    reason = load_kernel()
+    assert reason is None, reason
+
+
 @pytest.mark.parametrize(
     ("n_in", "dtype", "packed"),
     PRODUCT_CASES,
@@ -332,28 +341,35 @@ def test_products_match_numpy(rows, n_in, dtype, packed):
 
 
 @pytest.mark.parametrize(
-    ("rows", "n_in", "packed"),
-    [(3, 300, False), (3, 300, True), (40, 600, True)],
-    ids=["rows", "packed", "packed-blocks"],
+    ("rows", "n_in", "packed", "dtype"),
+    [
+        (3, 300, False, jnp.float32),
+        (3, 300, True, jnp.float32),
+        (40, 600, True, jnp.float32),
+        (40, 1200, True, jnp.bfloat16),
+    ],
+    ids=["rows", "packed", "packed-blocks-f32", "packed-blocks-bf16"],
 )
-def test_products_of_a_large_weight_are_shared_by_the_threads(rows, n_in, packed):
+def test_products_of_a_large_weight_are_shared_by_the_threads(rows, n_in, packed, dtype):
     """Above 2^16 weight elements the rows of the weights are cut into chunks for the threads
     (whole 4-row tiles, or panels; a remainder in the last): every output element is written
-    once. Packed, 40 rows (5 groups of 8) pass over blocks of 12 panels in turn: a chunk of
-    the 4,001 x 600 weight's 251 panels holds several blocks, the last one partial."""
+    once. Packed, 40 rows (5 groups of 8) pass over blocks of 9 panels (345 KiB) in turn: with
+    up to 8 threads a chunk of the 6,001-row weight's 376 panels holds several blocks, the
+    last one partial."""
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, n_in)), dtype)
     ws = (
-        jnp.asarray(rng.standard_normal((1001 if rows < 8 else 4001, n_in)), jnp.float32),
-        jnp.asarray(rng.standard_normal((7, n_in)), jnp.float32),
+        jnp.asarray(rng.standard_normal((1001 if rows < 8 else 6001, n_in)), dtype),
+        jnp.asarray(rng.standard_normal((7, n_in)), dtype),
     )
     for y, w in zip(jax.jit(_native)(x, pack_if(ws, packed)), ws, strict=True):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
+        tol = 2.0**-8 if dtype == jnp.bfloat16 else 1e-6 * np.sqrt(n_in)
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=tol * np.abs(want).max())
 
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
-EXPECTED_NARROW = len(CASES) + 4 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 3
+EXPECTED_NARROW = len(CASES) + 4 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 4
 # -march for each target, and the registers its library must not use.
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 

@@ -230,11 +230,20 @@ def test_packed_layout_rows_and_casts(dtype, getkey):
     assert not panels[2, :, 5:].any()  # the padding of the last panel
     np.testing.assert_array_equal(np.asarray(packed.unpack(), np.float32), wn)
     ids = jnp.array([0, 5, 16, 36, -1, -37, 37, 1000, -1000])
+    want = np.asarray(w[ids], np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(packed.__getitem__)(ids), np.float32), want)
     np.testing.assert_array_equal(
-        np.asarray(jax.vmap(packed.__getitem__)(ids), np.float32), np.asarray(w[ids], np.float32)
+        np.asarray(packed[ids.reshape(3, 3)], np.float32).reshape(9, 6), want
     )
+    np.testing.assert_array_equal(np.asarray(packed[-2], np.float32), wn[-2])
+    for i in (37, -38):
+        with pytest.raises(IndexError, match="of 37 rows"):
+            packed[i]
     other = jnp.float32 if dtype == jnp.bfloat16 else jnp.bfloat16
     assert packed.astype(dtype) is packed
+    wide = packed.astype(jnp.float16)  # not packable: the array
+    assert isinstance(wide, jax.Array) and wide.shape == (37, 6)
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(w.astype(jnp.float16)))
     np.testing.assert_array_equal(
         np.asarray(packed.astype(other).panels, np.float32),
         np.asarray(PackedWeight.of(w.astype(other)).panels, np.float32),
@@ -274,6 +283,7 @@ def test_packed_vmap_over_rows_and_over_weights(getkey):
     x = jax.random.normal(getkey(), (3, 1, 8))
     ws = jax.random.normal(getkey(), (3, 20, 8))
     packed = jax.vmap(PackedWeight.of)(ws)
+    assert packed.shape == (20, 8)  # the shape of one member
     close = {"rtol": 1e-5, "atol": 1e-5}
     one = PackedWeight.of(ws[0])
     np.testing.assert_allclose(jax.vmap(matmul, (0, None))(x, one), x @ ws[0].T, **close)

@@ -1216,21 +1216,24 @@ void pk_group(const X* x, int64_t r0, int64_t in, const T* w, int64_t out, int64
     });
     const int64_t o0 = p * kPanel, width = std::min<int64_t>(np * kPanel, out - o0);
     for (int64_t a = 0; a < NR; ++a)
-      for (int64_t b = 0; b < width; ++b) store(y + (r0 + a) * out + o0 + b, tile[a * np * kPanel + b]);
+      for (int64_t b = 0; b < width; ++b)
+        store(y + (r0 + a) * out + o0 + b, tile[a * np * kPanel + b]);
   }
 }
 
 // Panels [p0, p1) for every input row, in groups of at most kMmRows rows of equal size. With
-// more than one group the panels go in blocks of about 256 KiB (a multiple of 12 panels, whole
-// tiles of 1-4), each passed over by every group while it stays in L2: the weight is read from
-// memory once however many rows there are.
+// more than one group the panels go in blocks of at most 384 KiB (a multiple of 12 panels,
+// whole tiles of 1-4, where 12 fit; else of 3, the tile of 8 rows; else one), each passed
+// over by every group while it stays in L2: the weight is read from memory once however many
+// rows there are (a panel of more than 384 KiB, 6,144 float32 inputs, once per group).
 template <typename X, typename T>
 void pk_rows(const X* x, int64_t rows, int64_t in, const T* w, int64_t out, int64_t p0,
              int64_t p1, T* y) {
   const int64_t groups = (rows + kMmRows - 1) / kMmRows;
   const int64_t panel_bytes = std::max<int64_t>(1, in * kPanel * static_cast<int64_t>(sizeof(T)));
-  const int64_t block =
-      groups == 1 ? p1 - p0 : std::max<int64_t>(12, (int64_t{1} << 18) / panel_bytes / 12 * 12);
+  const int64_t fit = std::max<int64_t>(1, (int64_t{3} << 17) / panel_bytes);
+  const int64_t whole = fit >= 12 ? fit / 12 * 12 : (fit >= 3 ? fit / 3 * 3 : 1);
+  const int64_t block = groups == 1 ? p1 - p0 : whole;
   for (int64_t b0 = p0; b0 < p1; b0 += block) {
     const int64_t b1 = std::min(p1, b0 + block);
     for (int64_t g = 0, r = 0; g < groups; ++g) {
@@ -1250,11 +1253,17 @@ void matmul_packed(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
                    const std::vector<MmWeight>& weights) {
   int64_t elements = 0;
   for (const auto& wt : weights) elements += wt.out * in;
-  const int64_t chunks =
-      elements >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
+  // Threads from kMmParallel weight elements, or as many multiply-adds over many rows.
+  const int64_t work = elements * std::max<int64_t>(1, rows / kMmRows);
+  const int64_t chunks = work >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
   const int64_t per =
       std::max<int64_t>(1, (elements + chunks - 1) / chunks / std::max<int64_t>(in * kPanel, 1));
-  const int64_t step = (per + 3) / 4 * 4;  // panels per chunk, whole tiles
+  // Panels per chunk: whole tiles of the rows' groups (3 panels for 8 rows on AVX-512).
+  const int64_t groups = std::max<int64_t>(1, (rows + kMmRows - 1) / kMmRows);
+  int64_t tile = 1;
+  with_count(std::min<int64_t>(kMmRows, (rows + groups - 1) / groups),
+             [&](auto NR) { tile = pk_tile(decltype(NR)::value); });
+  const int64_t step = (per + tile - 1) / tile * tile;
   struct Chunk {
     int64_t weight, p0, p1;
   };

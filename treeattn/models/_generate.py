@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -125,6 +126,11 @@ def prepared(model: Transformer | Prepared, packed: bool | None = None) -> Prepa
                 f"prepared: packed={packed} for a model prepared with packed={model.packed}"
             )
         return model
+    if _tracing(model):
+        # Inside a trace (a user's `jit` or `vmap` around `decode_step`, say) the prepared
+        # arrays would be the trace's: packing would add a pass over every weight to each
+        # call, and a cached result would leak the trace's values into later calls.
+        return Prepared(model, bool(packed))
     packed = packs_here() if packed is None else packed
     key = (id(model), packed)
     known = _PREPARED.get(key)
@@ -133,6 +139,13 @@ def prepared(model: Transformer | Prepared, packed: bool | None = None) -> Prepa
     result = Prepared(model, packed)
     _PREPARED[key] = (weakref.ref(model, lambda _: _PREPARED.pop(key, None)), result)
     return result
+
+
+def _tracing(model) -> bool:
+    """Whether this runs inside a JAX trace, or `model` holds a trace's values."""
+    if isinstance(jnp.zeros(()), Tracer):
+        return True
+    return any(isinstance(x, Tracer) for x in jax.tree.leaves(model))
 
 
 def _host_checked(cache: Cache) -> Cache:
@@ -430,10 +443,12 @@ def prefill(
 ) -> tuple[Float[Array, "seq vocab"], Cache]:
     """Run `tokens` after what `cache` holds; return their logits and the updated cache.
 
-    The model's weights are prepared for decoding once per model (see `Decoder`), whether its
-    layers are stacked or not. The cache passed in is donated (its buffers are updated in place
-    and become the returned cache's): use the returned one from then on; it holds its length on
-    the host, so the next call checks it without waiting for the device.
+    The model's weights are prepared for decoding once per model (see `Decoder`; on CPU,
+    packed: a second copy while the model is alive), whether its layers are stacked or not;
+    inside a trace (a `jit` around this call) they are used as they are. The cache passed in
+    is donated (its buffers are updated in place and become the returned cache's): use the
+    returned one from then on; it holds its length on the host, so the next call checks it
+    without waiting for the device.
 
     Raises a `ValueError` before running if the tokens are not integers, if a concrete
     `tokens` holds ids outside `[0, vocab_size)`, or if they do not fit into the cache (see
@@ -456,7 +471,8 @@ def decode_step(
     The step reads each weight and each cached key and value once and writes only the new
     token's keys and values, in place: the cache passed in is donated (use the returned one).
     The model's weights are prepared for decoding once per model (a stacked model is unstacked
-    once, not per step; see `Decoder`, which also owns the cache).
+    once, not per step; on CPU they are packed, a second copy while the model is alive; inside a
+    trace they are used as they are; see `Decoder`, which also owns the cache).
 
     A full cache raises a `ValueError` before running (see `KVCache`, "Overflow"). The token
     id's value is not checked, so that a token sampled on the device need not be copied to the
@@ -521,7 +537,8 @@ def generate(
     `backend="tree"` (and `mesh`, `kv_axis`), the cache is sharded along the sequence over the
     mesh axis, tokens are appended round-robin so the shards fill evenly, and attention is
     `tree_decode` (`"ring"`: `ring_decode`, the baseline). This is `Decoder.generate` on a
-    decoder made for the call; the model's weights are prepared once per model, not per call.
+    decoder made for the call; the model's weights are prepared (on CPU, packed) once per model,
+    not per call.
 
     **Prompts of different lengths.** As with transformers, pad them to one length and pass
     `attention_mask` (`[batch, prompt]`, 1 or True for a prompt token, 0 for padding, on

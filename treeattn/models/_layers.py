@@ -95,9 +95,13 @@ class PackedWeight(eqx.Module):
         return cls(_panels(w), w.shape[0])
 
     @property
+    def _pairs(self) -> bool:  # bfloat16: inputs in pairs, a trailing axis of 2
+        return self.panels.dtype == jnp.bfloat16
+
+    @property
     def shape(self) -> tuple[int, int]:
-        p = self.panels.shape
-        return (self.out, p[1] * (2 if self.panels.ndim == 4 else 1))
+        n = self.panels.shape[-3 if self._pairs else -2]
+        return (self.out, n * (2 if self._pairs else 1))
 
     @property
     def dtype(self):
@@ -106,23 +110,31 @@ class PackedWeight(eqx.Module):
     def unpack(self) -> Float[Array, "out n"]:
         """The weight as an `[out, in]` array."""
         p = self.panels
-        order = (0, 2, 1, 3) if p.ndim == 4 else (0, 2, 1)
+        order = (0, 2, 1, 3) if self._pairs else (0, 2, 1)
         return p.transpose(order).reshape(-1, self.shape[1])[: self.out]
 
-    def astype(self, dtype) -> PackedWeight:
+    def astype(self, dtype) -> PackedWeight | Array:
+        """The weight in `dtype`: packed again where it packs (float32, bfloat16), else the
+        `[out, in]` array."""
         if jnp.dtype(dtype) == self.dtype:
             return self
-        return PackedWeight.of(self.unpack().astype(dtype))
+        w = self.unpack().astype(dtype)
+        return PackedWeight.of(w) if PackedWeight.packs(w) else w
 
     def __getitem__(self, i) -> Array:
-        """Row `i` (an integer index) of the weight, `w[i]`, read from its panel: a negative
-        `i` counts from the end and an `i` out of range reads the nearest row, as for an
-        array."""
+        """Rows `i` (an integer or an integer array) of the weight, `w[i]`, read from their
+        panels, `[*i.shape, in]`: a negative index counts from the end; out of range, a
+        concrete int raises `IndexError` and a traced index reads the nearest row (as JAX
+        clamps a gather)."""
+        if isinstance(i, int) and not -self.out <= i < self.out:
+            raise IndexError(f"row {i} of a PackedWeight of {self.out} rows")
         i = jnp.asarray(i)
         i = jnp.clip(jnp.where(i < 0, i + self.out, i), 0, self.out - 1)
-        if self.panels.ndim == 4:
-            return self.panels[i // PANEL, :, i % PANEL, :].reshape(self.shape[1])
-        return self.panels[i // PANEL, :, i % PANEL]
+        if self._pairs:
+            rows = self.panels[i // PANEL, :, i % PANEL, :]
+        else:
+            rows = self.panels[i // PANEL, :, i % PANEL]
+        return rows.reshape(*i.shape, self.shape[1])
 
     def dot(self, x: Float[Array, "*rows n"]) -> Float[Array, "*rows out"]:
         """`_dot(x, w)` by XLA, contracted on the panels as they lie (the jvp, platforms
@@ -130,7 +142,7 @@ class PackedWeight(eqx.Module):
         narrow = jnp.finfo(x.dtype).bits < 32
         kw = {"preferred_element_type": jnp.float32} if narrow else {}
         lead = x.shape[:-1]
-        if self.panels.ndim == 4:
+        if self._pairs:
             xs = x.reshape(*lead, -1, 2)
             dims = (((len(lead), len(lead) + 1), (1, 3)), ((), ()))
         else:
@@ -148,9 +160,10 @@ def _dot(x, w):
     return w.dot(x) if isinstance(w, PackedWeight) else _dot_array(x, w)
 
 
-# The row counts for which the C++ product streams a weight faster than XLA:CPU's dot (whose
-# few-row products run below memory speed, and in bfloat16 far below:
-# benchmarks/generate.py --products); more rows are a matrix product XLA does well.
+# The row counts for which the C++ product streams an `[out, in]` weight faster than XLA:CPU's
+# dot (whose few-row products run below memory speed, and in bfloat16 far below:
+# benchmarks/generate.py --products); more rows of such a weight are a matrix product XLA
+# does well. A packed weight goes to the C++ product with any number of rows.
 NATIVE_ROWS = range(1, 33)
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
