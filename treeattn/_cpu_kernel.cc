@@ -1016,26 +1016,30 @@ struct MmWeight {
   int64_t out;
 };
 
-// y_j = x w_j^T for every weight w_j of one call (a layer's q, k and v projections are one call:
-// the threads start once for all three). The output rows of all the weights are cut into
-// chunks of about equal size, a few per thread, each a whole number of 4-row tiles, so that a
-// thread that is late to start leaves its share to the others.
-template <typename T>
-void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
-            const std::vector<MmWeight>& weights) {
+// The threads of one product call: the units of every weight (output rows, or panels of
+// kPanel rows: `unit` rows each) cut into chunks of about equal size, a few per thread once
+// `work` reaches kMmParallel, each a whole number of `tile` units, so that a thread that is late
+// to start leaves its share to the others. fn(x, weight, u0, u1) runs a chunk, x as float32
+// rows widened once where the CPU has no bfloat16 dot products.
+template <typename T, typename F>
+void run_chunks(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
+                const std::vector<MmWeight>& weights, int64_t work, int64_t unit, int64_t tile,
+                F fn) {
   int64_t elements = 0;
   for (const auto& wt : weights) elements += wt.out * in;
-  const int64_t chunks =
-      elements >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
-  const int64_t per = std::max<int64_t>(1, (elements + chunks - 1) / chunks / std::max<int64_t>(in, 1));
-  const int64_t step = (per + 3) / 4 * 4;  // weight rows per chunk
+  const int64_t chunks = work >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
+  const int64_t per =
+      std::max<int64_t>(1, (elements + chunks - 1) / chunks / std::max<int64_t>(in * unit, 1));
+  const int64_t step = (per + tile - 1) / tile * tile;
   struct Chunk {
-    int64_t weight, o0, o1;
+    int64_t weight, u0, u1;
   };
   std::vector<Chunk> parts;
-  for (int64_t j = 0; j < static_cast<int64_t>(weights.size()); ++j)
-    for (int64_t o = 0; o < weights[j].out; o += step)
-      parts.push_back({j, o, std::min<int64_t>(weights[j].out, o + step)});
+  for (int64_t j = 0; j < static_cast<int64_t>(weights.size()); ++j) {
+    const int64_t units = (weights[j].out + unit - 1) / unit;
+    for (int64_t u = 0; u < units; u += step)
+      parts.push_back({j, u, std::min<int64_t>(units, u + step)});
+  }
 #if defined(__AVX512BF16__)
   const bool widen = false;  // bfloat16 rows go to the dot products as they are
 #else
@@ -1046,14 +1050,27 @@ void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
   parallel_for(pool, static_cast<int64_t>(parts.size()), [&](int64_t c) {
     const Chunk& part = parts[c];
     const MmWeight& wt = weights[part.weight];
-    const T* w = static_cast<const T*>(wt.w);
-    T* y = static_cast<T*>(wt.y);
     if (widen) {
-      mm_rows<float, T>(widened.data(), rows, in, w, wt.out, part.o0, part.o1, y);
+      fn(widened.data(), wt, part.u0, part.u1);
     } else {
-      mm_rows<T, T>(x, rows, in, w, wt.out, part.o0, part.o1, y);
+      fn(x, wt, part.u0, part.u1);
     }
   });
+}
+
+// y_j = x w_j^T for every weight w_j of one call (a layer's q, k and v projections are one call:
+// the threads start once for all three), in chunks of whole 4-row tiles.
+template <typename T>
+void matmul(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
+            const std::vector<MmWeight>& weights) {
+  int64_t elements = 0;
+  for (const auto& wt : weights) elements += wt.out * in;
+  run_chunks(pool, x, rows, in, weights, elements, 1, 4,
+             [&](const auto* xs, const MmWeight& wt, int64_t o0, int64_t o1) {
+               using X = std::remove_cv_t<std::remove_pointer_t<decltype(xs)>>;
+               mm_rows<X, T>(xs, rows, in, static_cast<const T*>(wt.w), wt.out, o0, o1,
+                             static_cast<T*>(wt.y));
+             });
 }
 
 // x [..., in] and weights w_j [out_j, in] (all float32 or all bfloat16) to y_j [..., out_j].
@@ -1253,44 +1270,19 @@ void matmul_packed(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
                    const std::vector<MmWeight>& weights) {
   int64_t elements = 0;
   for (const auto& wt : weights) elements += wt.out * in;
-  // Threads from kMmParallel weight elements, or as many multiply-adds over many rows.
+  // Threads from kMmParallel weight elements, or as many multiply-adds over many rows; chunks
+  // of whole tiles of the rows' groups (3 panels for 8 rows on AVX-512).
   const int64_t work = elements * std::max<int64_t>(1, rows / kMmRows);
-  const int64_t chunks = work >= kMmParallel ? std::max<int64_t>(1, 4 * pool.num_threads()) : 1;
-  const int64_t per =
-      std::max<int64_t>(1, (elements + chunks - 1) / chunks / std::max<int64_t>(in * kPanel, 1));
-  // Panels per chunk: whole tiles of the rows' groups (3 panels for 8 rows on AVX-512).
   const int64_t groups = std::max<int64_t>(1, (rows + kMmRows - 1) / kMmRows);
   int64_t tile = 1;
   with_count(std::min<int64_t>(kMmRows, (rows + groups - 1) / groups),
              [&](auto NR) { tile = pk_tile(decltype(NR)::value); });
-  const int64_t step = (per + tile - 1) / tile * tile;
-  struct Chunk {
-    int64_t weight, p0, p1;
-  };
-  std::vector<Chunk> parts;
-  for (int64_t j = 0; j < static_cast<int64_t>(weights.size()); ++j) {
-    const int64_t panels = (weights[j].out + kPanel - 1) / kPanel;
-    for (int64_t p = 0; p < panels; p += step)
-      parts.push_back({j, p, std::min<int64_t>(panels, p + step)});
-  }
-#if defined(__AVX512BF16__)
-  const bool widen = false;
-#else
-  const bool widen = !std::is_same_v<T, float>;
-#endif
-  std::vector<float> widened(widen ? rows * in : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(widened.size()); ++i) widened[i] = load(x + i);
-  parallel_for(pool, static_cast<int64_t>(parts.size()), [&](int64_t c) {
-    const Chunk& part = parts[c];
-    const MmWeight& wt = weights[part.weight];
-    const T* w = static_cast<const T*>(wt.w);
-    T* y = static_cast<T*>(wt.y);
-    if (widen) {
-      pk_rows<float, T>(widened.data(), rows, in, w, wt.out, part.p0, part.p1, y);
-    } else {
-      pk_rows<T, T>(x, rows, in, w, wt.out, part.p0, part.p1, y);
-    }
-  });
+  run_chunks(pool, x, rows, in, weights, work, kPanel, tile,
+             [&](const auto* xs, const MmWeight& wt, int64_t p0, int64_t p1) {
+               using X = std::remove_cv_t<std::remove_pointer_t<decltype(xs)>>;
+               pk_rows<X, T>(xs, rows, in, static_cast<const T*>(wt.w), wt.out, p0, p1,
+                             static_cast<T*>(wt.y));
+             });
 }
 
 // x [..., in] and packed weights (float32 [panels, in, kPanel], bfloat16 [panels, in / 2,
