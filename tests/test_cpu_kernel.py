@@ -4,11 +4,13 @@ Decode attention: head dims that are a multiple of the vector width (16 floats w
 with AVX2, 4 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2,
 keys one at a time for head dims of 64 and 128 and otherwise 4 at a time plus a tail of 1-3
 (with AVX512-BF16, bfloat16 keys of 32 and 64 through its dot products, 4 at a time), value
-columns in tiles of 8, 4, 3, 2 or 1 vectors; blocks of 512 keys that every row sees end to end
-skip the per-key visibility test; a sequence with few kv heads has its keys split over the
-threads and merged. The few-row products: rows in register groups, weights in tiles, several
-weights per call. The shapes below cross each of these boundaries; the other tests of the decode
-kernel (tests/test_decode.py) use head dims of 8 and 16.
+columns in tiles of 8, 4, 3, 2 or 1 vectors (with AVX512-BF16, bfloat16 values of a multiple of
+32 in pairs of keys through its dot products, where no weight of the tile is 0, a block of an
+odd number of keys ending in half a pair; else widened); blocks of 512 keys that every row
+sees end to end skip the per-key visibility test; a sequence with few kv heads has its keys
+split over the threads and merged. The few-row products: rows in register groups, weights in
+tiles, several weights per call. The shapes below cross each of these boundaries; the other
+tests of the decode kernel (tests/test_decode.py) use head dims of 8 and 16.
 """
 
 import json
@@ -75,6 +77,8 @@ CASES = [
     (3, 2, 128, 64, jnp.bfloat16, "bshd", False),
     (8, 1, 32, 32, jnp.bfloat16, "bhsd", True),  # bfloat16 dot products, 4 keys and a tail
     (3, 1, 64, 64, jnp.bfloat16, "bshd", False),  # the same, 3-row tiles, keys kv_heads apart
+    (1, 1, 32, 256, jnp.bfloat16, "bshd", True),  # bfloat16 values in pairs of keys, one pass
+    (2, 1, 64, 256, jnp.bfloat16, "bhsd", True),  # the same in two column tiles
 ]
 
 

@@ -15,10 +15,11 @@
 // rows, the kTile dot products reduced together) and 4 keys at a time for the others (each Q
 // vector also loaded once for the keys, the 4 * kTile dot products reduced together), and the
 // values as kTile rows x NV vectors of accumulators held in registers across the keys of a
-// block. bfloat16 is widened as it is loaded, but for the logits of keys of 32 and 64 with
-// AVX512-BF16, which take the CPU's bfloat16 dot products 4 keys at a time. A value row is read only if some query row
-// gives it a nonzero weight, so masked slots (and weights that underflow to 0) never touch V:
-// NaN in a slot no query sees stays out.
+// block. bfloat16 is widened as it is loaded, but with AVX512-BF16 the logits of keys of 32 and
+// 64 take the CPU's bfloat16 dot products 4 keys at a time, and values of a multiple of 32 with
+// bfloat16 weights 2 keys at a time. A value row is read only if some query row gives it a
+// nonzero weight, so masked slots (and weights that underflow to 0) never touch V: NaN in a slot
+// no query sees stays out.
 //
 // Work items (batch row, kv head) are shared between the calling thread and XLA's intra-op
 // thread pool through an atomic counter; the caller never waits for an item nobody started,
@@ -445,6 +446,85 @@ void weigh_tile(const float* __restrict p, int64_t n, const T* __restrict v, int
   }
 }
 
+#if defined(__AVX512BF16__)
+// acc[r] += sum_i p[r][i] v[i] for RT rows of bfloat16 weights (pb: row stride kBlock, zero past
+// n) and bfloat16 values, by the CPU's bfloat16 dot products over pairs of keys: the rows of
+// keys i and i + 1 are interleaved element by element (two shuffles per 32 elements), so that
+// each 32-bit lane holds (v[i][e], v[i + 1][e]) and one instruction adds p[i] v[i][e] +
+// p[i + 1] v[i + 1][e] into 16 float32 sums. The values are not widened and the weights are
+// bfloat16, as a GPU's flash attention multiplies them; their normaliser stays float32. The
+// shuffles work within 128-bit lanes, so the sums of a 32-element chunk sit in two vectors in a
+// fixed order, permuted from and back to acc's once per block. Dense weights only (a pair adds
+// 0 * v, which is NaN for a NaN value no row should see).
+template <int RT, int NC>
+void weigh_tile_bf16(const uint16_t* __restrict pb, int64_t n, const uint16_t* __restrict v,
+                     int64_t vs, int64_t dv, float* __restrict acc) {
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi =
+      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i from_0 =
+      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i from_1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t c0 = 0; c0 < dv; c0 += NC * 32) {
+    __m512 lo[RT][NC], hi[RT][NC];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < NC; ++c) {
+        const __m512 a = _mm512_loadu_ps(acc + r * dv + c0 + c * 32);
+        const __m512 b = _mm512_loadu_ps(acc + r * dv + c0 + c * 32 + 16);
+        lo[r][c] = _mm512_permutex2var_ps(a, to_lo, b);
+        hi[r][c] = _mm512_permutex2var_ps(a, to_hi, b);
+      }
+    auto pair = [&](int64_t i, bool second) {
+      for (int c = 0; c < NC; ++c) {
+        const uint16_t* row = v + i * vs + c0 + c * 32;
+        prefetch_row(row + kAhead * vs, row_bytes);
+        const __m512i a = _mm512_loadu_si512(row);
+        const __m512i b = second ? _mm512_loadu_si512(row + vs) : _mm512_setzero_si512();
+        if (second) prefetch_row(row + (kAhead + 1) * vs, row_bytes);
+        const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh h = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < RT; ++r) {
+          int32_t w;
+          std::memcpy(&w, pb + r * kBlock + i, sizeof w);
+          const __m512bh ws = (__m512bh)_mm512_set1_epi32(w);
+          lo[r][c] = _mm512_dpbf16_ps(lo[r][c], l, ws);
+          hi[r][c] = _mm512_dpbf16_ps(hi[r][c], h, ws);
+        }
+      }
+    };
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) pair(i, true);
+    if (i < n) pair(i, false);  // pb[n] is 0
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(acc + r * dv + c0 + c * 32,
+                         _mm512_permutex2var_ps(lo[r][c], from_0, hi[r][c]));
+        _mm512_storeu_ps(acc + r * dv + c0 + c * 32 + 16,
+                         _mm512_permutex2var_ps(lo[r][c], from_1, hi[r][c]));
+      }
+  }
+}
+
+// weigh_tile_bf16 over rows of dv (a multiple of 32): whole rows in one pass where their sums
+// fit in 16 registers (a second pass over a column tile re-reads the block's rows at a stride),
+// else the widest column tiles that do.
+template <int RT>
+void weigh_values_bf16(const uint16_t* pb, int64_t n, const uint16_t* v, int64_t vs, int64_t dv,
+                       float* acc) {
+  const int64_t chunks = dv / 32;
+  if constexpr (RT == 1) {
+    if (chunks % 8 == 0) return weigh_tile_bf16<RT, 8>(pb, n, v, vs, dv, acc);
+  }
+  if constexpr (RT <= 2) {
+    if (chunks % 4 == 0) return weigh_tile_bf16<RT, 4>(pb, n, v, vs, dv, acc);
+  }
+  if (chunks % 2 == 0) return weigh_tile_bf16<RT, 2>(pb, n, v, vs, dv, acc);
+  weigh_tile_bf16<RT, 1>(pb, n, v, vs, dv, acc);
+}
+#endif
+
 template <int RT, typename T>
 void weigh_values(const float* p, int64_t n, const T* v, int64_t vs, int64_t dv, bool dense,
                   float* acc) {
@@ -537,6 +617,11 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
   const bool bf16_dots = false;
 #endif
   std::vector<uint16_t> qb(bf16_dots ? rows * d.qk : 0);
+#if defined(__AVX512BF16__)
+  // bfloat16 weights and values by the CPU's bfloat16 dot products (see weigh_tile_bf16).
+  const bool bf16_values = std::is_same_v<T, uint16_t> && d.dv % 32 == 0;
+  std::vector<uint16_t> pb(bf16_values ? rows * kBlock : 0);
+#endif
   std::vector<float> s(rows * kBlock);  // logits, then weights: s[r * kBlock + i]
   std::vector<int64_t> qpos(rows);
   std::vector<char> has_zero(rows);  // per row of the block: some weight is 0
@@ -666,6 +751,23 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
       if (tiled_dv) {
         bool dense = true;
         for (int64_t r = r0; r < r0 + rt; ++r) dense &= !has_zero[r];
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          if (dense && bf16_values) {
+            uint16_t* pbr = pb.data() + r0 * kBlock;
+            const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+            for (int64_t r = 0; r < rt; ++r)
+              for (int64_t i = 0; i < padded; i += 16)
+                _mm256_storeu_si256(
+                    reinterpret_cast<__m256i*>(pbr + r * kBlock + i),
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + r * kBlock + i)));
+            with_tile(rt, [&](auto tile) {
+              weigh_values_bf16<decltype(tile)::value>(pbr, n, vb, vs, d.dv, ar);
+            });
+            continue;
+          }
+        }
+#endif
         with_tile(rt, [&](auto tile) {
           weigh_values<decltype(tile)::value>(pr, n, vb, vs, d.dv, dense, ar);
         });
