@@ -79,6 +79,10 @@ CASES = [
     (3, 1, 64, 64, jnp.bfloat16, "bshd", False),  # the same, 3-row tiles, keys kv_heads apart
     (1, 1, 32, 256, jnp.bfloat16, "bshd", True),  # bfloat16 values in pairs of keys, one pass
     (2, 1, 64, 256, jnp.bfloat16, "bhsd", True),  # the same in two column tiles
+    (7, 1, 32, 32, jnp.bfloat16, "bhsd", True),  # the same, tiles of 4 and 3 rows
+    (6, 1, 32, 32, jnp.bfloat16, "bshd", False),  # tiles of 4 and 2 rows
+    (1, 1, 32, 96, jnp.bfloat16, "bhsd", True),  # three column tiles of 32
+    (3, 1, 64, 128, jnp.bfloat16, "bhsd", True),  # two column tiles of 64 for 3 rows
 ]
 
 
@@ -216,6 +220,39 @@ def test_nan_reaches_only_the_rows_that_see_it(where, dtype):
     assert ref_err(out[:, 0], want[:, 0]) <= TOL[dtype]
     np.testing.assert_allclose(np.asarray(lse)[:, 0], want_lse[:, 0], rtol=1e-5)
     assert np.isnan(np.asarray(out[:, 1])).all() and np.isnan(np.asarray(lse[:, 1])).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_nan_past_an_odd_fill_stays_out(dtype):
+    """One query per kv head at the end of a fill of 1,001: the last block has 489 keys, all
+    weighed (bfloat16 values go in pairs of keys, the last pair half empty), and NaN in every
+    slot past the fill must not reach the output."""
+    group, d, length = 3, 64, 1001
+    q, k, v = inputs(8, 1, 1, group, 1, d, d, dtype)
+    clean_k, clean_v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    k, v = (x.at[:, length:].set(jnp.nan) for x in (k, v))
+    got = flash_attention(
+        q,
+        to_layout(k, "bhsd"),
+        to_layout(v, "bhsd"),
+        kv_length=jnp.asarray([length]),
+        q_offset=jnp.asarray([length - 1]),
+        causal=True,
+        kv_layout="bhsd",
+        backend="cpu",
+    )
+    vis = ref.decode_visible(
+        1,
+        1,
+        group,
+        KV_SEQ,
+        kv_length=length,
+        q_offset=length - 1,
+        causal=True,
+        window=None,
+        mask=None,
+    )
+    check(got, ref.decode_attention(q, clean_k, clean_v, vis), dtype)
 
 
 def test_weights_that_underflow_do_not_read_values():

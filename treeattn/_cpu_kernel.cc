@@ -17,9 +17,9 @@
 // values as kTile rows x NV vectors of accumulators held in registers across the keys of a
 // block. bfloat16 is widened as it is loaded, but with AVX512-BF16 the logits of keys of 32 and
 // 64 take the CPU's bfloat16 dot products 4 keys at a time, and values of a multiple of 32 with
-// bfloat16 weights 2 keys at a time. A value row is read only if some query row gives it a
-// nonzero weight, so masked slots (and weights that underflow to 0) never touch V: NaN in a slot
-// no query sees stays out.
+// bfloat16 weights 2 keys at a time where no weight of the row tile is 0. A value row is read
+// only if some query row gives it a nonzero weight, so masked slots (and weights that underflow
+// to 0) never touch V: NaN in a slot no query sees stays out.
 //
 // Work items (batch row, kv head) are shared between the calling thread and XLA's intra-op
 // thread pool through an atomic counter; the caller never waits for an item nobody started,
@@ -509,7 +509,7 @@ void weigh_tile_bf16(const uint16_t* __restrict pb, int64_t n, const uint16_t* _
 
 // weigh_tile_bf16 over rows of dv (a multiple of 32): whole rows in one pass where their sums
 // fit in 16 registers (a second pass over a column tile re-reads the block's rows at a stride),
-// else the widest column tiles that do.
+// else the widest tile of 8, 4, 2 or 1 chunks of 32 that divides the row and fits.
 template <int RT>
 void weigh_values_bf16(const uint16_t* pb, int64_t n, const uint16_t* v, int64_t vs, int64_t dv,
                        float* acc) {
@@ -755,7 +755,6 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
         if constexpr (std::is_same_v<T, uint16_t>) {
           if (dense && bf16_values) {
             uint16_t* pbr = pb.data() + r0 * kBlock;
-            const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
             for (int64_t r = 0; r < rt; ++r)
               for (int64_t i = 0; i < padded; i += 16)
                 _mm256_storeu_si256(
