@@ -464,7 +464,8 @@ def test_permuted_shard_order(case, getkey):
     )
     mapped = jax.jit(mapped)
     f, out = mapped(q, k[blocks], v[blocks], zeta, offsets)
-    np.testing.assert_allclose(f, multihead_free_energy(q, k, v, zeta, energy=energy, **kw), 2e-5)
+    f_one = multihead_free_energy(q, k, v, zeta, energy=energy, **kw)
+    np.testing.assert_allclose(f, f_one, rtol=2e-5, atol=1e-5)  # F can be near 0 (a sum)
     assert ref.rel_err(out, energy_reference(case, q, k, v, **kw)[0]) <= TOL[jnp.float32]
 
 
@@ -545,7 +546,12 @@ def test_blockwise_matches_materialised(case, getkey):
 
     blocked, whole = run(q, k, v, zeta, 8), run(q, k, v, zeta, None)
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole), strict=True):
-        assert ref.rel_err(a, b) <= 2e-5
+        # F (a scalar sum of rows of either sign) against a floor of 1; arrays normwise.
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = np.max(np.abs(b))
+        if b.ndim == 0 or scale == 0:
+            scale = max(scale, 1.0)
+        assert np.max(np.abs(a - b)) <= 2e-5 * scale
     expected = energy_reference(case, q, k, v, causal=True, q_offset=28, mask=np.asarray(mask))
     assert ref.rel_err(blocked[2], expected[0]) <= TOL[jnp.float32]
 

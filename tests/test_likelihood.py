@@ -149,7 +149,10 @@ def test_log_likelihood_value_and_stationarity(masking, getkey):
     terms = ref.free_energy_terms(q, k, v, zeta, **np_kw(kw))
     live = np.isfinite(terms)
     expected = np.sum(np.where(live, np.sum(ref.f64(z) * ref.f64(zeta), -1) - terms, 0.0))
-    np.testing.assert_allclose(log_likelihood(zeta, z, q, k, v, **kw), expected, rtol=1e-5)
+    # Γ sums terms of either sign (tens in all): an absolute tolerance for a Γ near 0.
+    np.testing.assert_allclose(
+        log_likelihood(zeta, z, q, k, v, **kw), expected, rtol=1e-5, atol=1e-4
+    )
     # ∂Γ/∂ζ = z - ∂F/∂ζ and ∂Γ/∂z = ζ (on queries that see something).
     d_zeta, d_z = jax.grad(log_likelihood, argnums=(0, 1))(zeta, z, q, k, v, **kw)
     mean = ref.tilted_mean(q, k, v, zeta, **np_kw(kw))
