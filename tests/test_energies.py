@@ -120,6 +120,38 @@ def test_stick_breaking_attention_has_no_running_max(getkey):
     assert _reduces_max(lambda *a: multihead_free_energy(*a, **kw), q, k, v, zeta)
 
 
+class _StickBreakingByElements(StickBreaking):
+    """Stick-breaking lifted from its elements at zeta = 0 too (no inclusive suffix sum)."""
+
+    def _lift_at_zero(self, x, tilt, visible, ctx):
+        return None
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_stick_breaking_lift_at_zero_matches_its_elements(block_size, getkey):
+    """At zeta = 0 stick-breaking lifts a block from its logits with an inclusive suffix sum;
+    attention, covariance and the gradient of a loss in q, k, v equal those lifted from its
+    elements (log w_a = x_a + log r_a, exclusive sum), with masked keys and a row of none."""
+    shape = (6, 11, HEADS, 2, 8, 3)
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    mask = jax.random.bernoulli(getkey(), 0.6, (HEADS, shape[0], shape[1])).at[:, 0].set(False)
+    kw = {"causal": True, "q_offset": 5, "mask": mask}
+    ours, by_elements = StickBreaking(), _StickBreakingByElements()
+    for fn, extra in ((energy_attention, {"block_size": block_size}), (value_covariance, {})):
+        a = jax.jit(functools.partial(fn, energy=ours, **kw, **extra))(q, k, v)
+        b = jax.jit(functools.partial(fn, energy=by_elements, **kw, **extra))(q, k, v)
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    kw["block_size"] = block_size
+
+    def loss(energy, q, k, v):
+        return jnp.sum(jnp.sin(energy_attention(q, k, v, energy=energy, **kw)))
+
+    a = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
+    b = jax.grad(functools.partial(loss, by_elements), argnums=(0, 1, 2))(q, k, v)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, atol=2e-5)
+
+
 def test_stick_breaking_with_vanishing_weights(getkey):
     """Logits near -60 (every weight about 1e-26, a stick almost all left over) and rows
     without keys: attention, its covariance and a tilted F match float64 NumPy, NaN-free."""

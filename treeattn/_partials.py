@@ -463,6 +463,19 @@ def _affine_parts(elements, visible):
     return log_w + (suffix - log_r), log_total
 
 
+def affine_lift_unit_damped(log_u: Array, log_r: Array, visible: Array | None):
+    r"""The `LOG_AFFINE` state of a block, with weights at most 1, from $(\log u_a, \log r_a)$
+    where each key's own factor damps it too: $w_a = u_a r_a$, so that
+    $\log Z = \log\sum_a u_a\prod_{b \ge a} r_b$ by an inclusive suffix sum. Equal to
+    `lift_unit` of the elements $(\log u_a + \log r_a, \log r_a)$, without adding $\log r_a$
+    to every key and subtracting it again (stick-breaking's $u_a = e^{x_a}$)."""
+    if visible is not None:
+        log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
+    suffix = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True)
+    log_total = suffix[..., 0] if log_r.shape[-1] else jnp.sum(log_r, axis=-1)
+    return _lse_unit(log_u + suffix, visible), log_total
+
+
 def _affine_lift(elements, visible):
     log_w, log_total = _affine_parts(elements, visible)
     return _lse_lift_masked(log_w, visible), log_total

@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._numerics import Dims, as_position, compute_dtype
-from .._partials import LOG_AFFINE, LOGSUMEXP, SUM, Monoid
+from .._partials import LOG_AFFINE, LOGSUMEXP, SUM, Monoid, affine_lift_unit_damped
 
 
 Logits = Float[Array, "kv_heads rows kv"] | tuple[Float[Array, "kv_heads rows kv"], ...]
@@ -435,6 +435,13 @@ class StickBreaking(Energy):
     def _unit_weights_at_zero(self):
         # log A_a = log beta_a + sum_{b > a} log(1 - beta_b) <= 0 at zeta = 0 (a stick of length 1).
         return type(self).elements is StickBreaking.elements
+
+    def _lift_at_zero(self, x, tilt, visible, ctx):
+        # log A_a = x_a + sum_{b >= a} log(1 - beta_b): the inclusive suffix sum, so log(1 -
+        # beta_a) is neither added to every key's log-weight nor subtracted again.
+        if type(self).elements is not StickBreaking.elements:
+            return None
+        return affine_lift_unit_damped(x + tilt, -_softplus(x), visible)
 
 
 class ScoreMod(Energy):
