@@ -113,6 +113,37 @@ def check_blind(fn, q, k, v, hidden, poison, expected, *, tol=TOL[jnp.float32]):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("energy_name", ["softmax", "stick"])
+@pytest.mark.parametrize("queries", [4, 16])
+def test_poison_reaches_only_the_rows_that_see_it(queries, energy_name, getkey):
+    """A NaN key of kv head 0 and an inf value of kv head 1 make NaN exactly the (query, head)
+    rows that see them, causally, and leave every other row equal to float64 NumPy. With 4
+    queries (8 rows per kv head) and 16 (32 rows, more than a key's and value's elements) the
+    flags of the bad keys are reduced in the two layouts `finite_kv` chooses between."""
+    q = jax.random.normal(getkey(), (queries, H, D))
+    k = jax.random.normal(getkey(), (S, HK, D))
+    v = jax.random.normal(getkey(), (S, HK, D))
+    offset, slots = S - queries, (S - queries + 1, S - 2)  # each seen by some queries only
+    k_bad = k.at[slots[0], 0, 3].set(jnp.nan)
+    v_bad = v.at[slots[1], 1, 0].set(jnp.inf)
+    chosen = {"softmax": energy.Softmax(), "stick": energy.StickBreaking()}[energy_name]
+    kw = {"causal": True, "q_offset": offset, "energy": chosen}
+    out = np.asarray(
+        jax.jit(lambda q, k, v: energy.energy_attention(q, k, v, **kw))(q, k_bad, v_bad)
+    )
+    clean = np.asarray(energy.energy_attention(q, k, v, **kw))
+    position = offset + np.arange(queries)[:, None]
+    kv_head = np.arange(H)[None, :] // (H // HK)
+    sees = ((kv_head == 0) & (position >= slots[0])) | ((kv_head == 1) & (position >= slots[1]))
+    assert sees.any() and (~sees).any()
+    assert np.isnan(out[sees]).all()
+    assert np.isfinite(out[~sees]).all()
+    np.testing.assert_allclose(out[~sees], clean[~sees], rtol=1e-6, atol=1e-6)
+    if energy_name == "softmax":
+        expected = ref.attention(q, k, v, causal=True, q_offset=offset)
+        np.testing.assert_allclose(out[~sees], expected[~sees], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("masking", ["mask", "causal"])
 def test_hidden_poison_energy_attention(masking, poison, getkey):

@@ -31,21 +31,29 @@ from ._energies import Context, Energy, combine_once
 
 
 def finite_kv(
-    k: Float[Array, "kv kv_heads qk"], v: Float[Array, "kv kv_heads dv"], head_major: bool = False
+    k: Float[Array, "kv kv_heads qk"],
+    v: Float[Array, "kv kv_heads dv"],
+    head_major: bool = False,
+    rows: int = 0,
 ) -> tuple[Array, Array, Bool[Array, "kv_heads kv"]]:
     """K and V with their non-finite rows set to 0, and which (kv head, key) those were: the
     logits of those keys become NaN (`bad_logits`), so a query that does not see them is
     untouched and one that does gets NaN (see `finite_rows`). With `head_major`, K and V are
-    `[kv_heads, kv, d]`."""
-    k, bad_k = finite_rows(k)
-    v, bad_v = finite_rows(v)
+    `[kv_heads, kv, d]`. `rows`: the query rows per kv head whose logits the flags will
+    poison."""
+    k0, bad_k = finite_rows(k)
+    v0, bad_v = finite_rows(v)
     if head_major:
-        return k, v, bad_k | bad_v
-    # Reduced in the logits' layout, not transposed after: XLA fuses the NaN bias into every
-    # pass over the logits, and a transposed one is read with a stride there, which keeps
-    # XLA:CPU from vectorising those passes (a softplus pass over the logits took 1.8x).
+        return k0, v0, bad_k | bad_v
+    if rows < k.shape[-1] + v.shape[-1]:
+        return k0, v0, (bad_k | bad_v).T
+    # More logits per key than elements of its key and value: the flags are reduced again in
+    # the logits' layout. Transposed after the reduction, they are fused into every pass over
+    # the logits that adds the NaN bias and read there with a stride, which keeps XLA:CPU from
+    # vectorising those passes (stick-breaking's softplus pass took 2.7x as long). With few
+    # rows (decoding) reading K and V in the transposed order costs more than that.
     bad = jnp.any(~jnp.isfinite(jnp.swapaxes(k, 0, 1)), axis=-1)
-    return k, v, bad | jnp.any(~jnp.isfinite(jnp.swapaxes(v, 0, 1)), axis=-1)
+    return k0, v0, bad | jnp.any(~jnp.isfinite(jnp.swapaxes(v, 0, 1)), axis=-1)
 
 
 def bad_logits(x: Float[Array, "kv_heads rows kv"], bad: Bool[Array, "kv_heads kv"]):
@@ -82,7 +90,7 @@ def block_logits(
     ct = compute_dtype(q.dtype)
     bad = None
     if not finite:
-        k, v, bad = finite_kv(k, v, head_major)
+        k, v, bad = finite_kv(k, v, head_major, rows=dims.rows)
     # A head-major block is read where it lies: the transposed view folds into the product.
     k_keys = jnp.swapaxes(k, 0, 1) if head_major else k
     x = energy.logits(to_rows(q.astype(ct), dims), k_keys.astype(ct), ctx)
