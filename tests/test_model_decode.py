@@ -248,6 +248,36 @@ def test_packed_weights_decode_as_the_arrays_do(dtype, tied):
         np.testing.assert_array_equal(generated[True], generated[False])
 
 
+def test_packing_a_stacked_model_holds_no_unstacked_copy(monkeypatch):
+    """A stacked model is packed layer by layer: whenever a weight is packed, the arrays alive
+    beyond the model's own are the weights packed so far and one layer's slices of the stack,
+    not an unstacked copy of every layer (a third copy of the weights at the peak)."""
+    config = dataclasses.replace(CONFIG, num_hidden_layers=6)
+    model = Transformer(config, key=jax.random.key(0))
+    assert not isinstance(model.layers, tuple)
+
+    def nbytes(tree):
+        return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+    layer = nbytes(model.block(0))
+    before = sum(x.nbytes for x in jax.live_arrays())
+    extra, packed_so_far = [], [0]
+    of = PackedWeight.of.__func__
+
+    def recording(cls, w):
+        extra.append(sum(x.nbytes for x in jax.live_arrays()) - before - packed_so_far[0])
+        out = of(cls, w)
+        packed_so_far[0] += out.panels.nbytes
+        return out
+
+    monkeypatch.setattr(PackedWeight, "of", classmethod(recording))
+    packed = prepared(model, packed=True).model
+    assert len(extra) >= 7 * config.num_hidden_layers  # and an untied output matrix
+    assert isinstance(packed.layers, tuple)
+    # One layer's slices (and the weight being packed) at most; all six layers would be 6.
+    assert max(extra) <= 1.5 * layer, (max(extra), layer)
+
+
 def test_packing_is_a_choice_checked_once_and_not_made_inside_a_trace():
     """`packed=` must be a bool or None; a prepared model is not prepared again the other way;
     inside a user's `jit` the model is neither packed (a pass over every weight per call) nor

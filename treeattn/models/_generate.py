@@ -46,14 +46,22 @@ if TYPE_CHECKING:
 def packed_weights(model: Transformer) -> Transformer:
     """`model` with every projection's weight (and a tied embedding, which the logits read as
     a weight) a `PackedWeight`, where it can be packed; stacked layers are unstacked first."""
-    model = model.unstack_layers()
 
     def pack(m):
         if isinstance(m, eqx.nn.Linear) and PackedWeight.packs(m.weight):
             return eqx.tree_at(lambda linear: linear.weight, m, PackedWeight.of(m.weight))
         return m
 
-    model = jax.tree.map(pack, model, is_leaf=lambda m: isinstance(m, eqx.nn.Linear))
+    def pack_all(tree):
+        return jax.tree.map(pack, tree, is_leaf=lambda m: isinstance(m, eqx.nn.Linear))
+
+    if not isinstance(model.layers, tuple):
+        # Layer by layer: a layer's slice of the stack lives only until it is packed, so the
+        # peak holds the stacked and the packed weights, not a third, unstacked copy of all.
+        n = model.config.num_hidden_layers
+        layers = tuple(pack_all(model.block(i)) for i in range(n))
+        model = eqx.tree_at(lambda m: m.layers, model, layers)
+    model = pack_all(model)
     table = model.embed_tokens.weight
     if model.lm_head is None and PackedWeight.packs(table):
         model = eqx.tree_at(lambda m: m.embed_tokens.weight, model, PackedWeight.of(table))
