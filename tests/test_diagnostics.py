@@ -16,6 +16,8 @@ from jax.test_util import check_grads
 
 from treeattn.energy import (
     Softmax,
+    Softpick,
+    StickBreaking,
     attention_entropy,
     multihead_free_energy,
     received_attention,
@@ -128,6 +130,35 @@ def test_energies_match_numpy(case, getkey):
         r = call(received_attention, q, k, v, energy, block_size, **kw)
         assert np.abs(np.asarray(h) - expected[0]).max() <= 1e-5 * max(1, np.abs(expected[0]).max())
         assert ref.rel_err(r, expected[1]) <= 5 * TOL[jnp.float32]
+
+
+class _StickBreakingByElements(StickBreaking):
+    def _lift_at_zero(self, x, tilt, visible, ctx):
+        return None
+
+
+class _SoftpickByElements(Softpick):
+    def _lift_at_zero(self, x, tilt, visible, ctx):
+        return None
+
+
+@pytest.mark.parametrize("case", ["stick", "softpick"])
+def test_diagnostics_lift_at_zero_as_the_elements_do(case, getkey):
+    """Entropy and received attention of the energies that lift a block straight from its
+    logits at zeta = 0 (stick-breaking, softpick) equal those lifted from their elements, with
+    a mask that leaves a query no key, materialised and blockwise."""
+    shape = (5, 13, HEADS, 2, 8, 3)
+    q, k, v = make_qkv(getkey, shape, jnp.float32)
+    kw, _ = _masking(getkey, shape, "mask_empty")
+    ours, by_elements = {
+        "stick": (StickBreaking(), _StickBreakingByElements()),
+        "softpick": (Softpick(), _SoftpickByElements()),
+    }[case]
+    for block_size in (None, 4):
+        for fn in (attention_entropy, received_attention):
+            a = call(fn, q, k, v, ours, block_size, **kw)
+            b = call(fn, q, k, v, by_elements, block_size, **kw)
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.fast(case="softmax_softcap_alibi", masking="window")

@@ -95,6 +95,10 @@ class _Tempered(Energy):
     def _unit_weights_at_zero(self):
         return self.inner._unit_weights_at_zero()
 
+    def _lift_at_zero(self, x, tilt, visible, ctx):
+        # The logits are already tempered; the elements are the inner energy's.
+        return self.inner._lift_at_zero(x, tilt, visible, ctx)
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _over_queries(b: Array, shape: tuple[int, int, int, int]) -> Array:
@@ -158,6 +162,10 @@ class _KeyBiased(Energy):
 
     def _unit_weights_at_zero(self):
         return self.inner._unit_weights_at_zero()
+
+    def _lift_at_zero(self, x, tilt, visible, ctx):
+        # The bias is 0 in value (only its derivative is read), so zeta = 0 still holds.
+        return self.inner._lift_at_zero(x, tilt + self._rows(ctx, x.dtype), visible, ctx)
 
 
 def _temperature(energy: Energy, heads: int, dtype) -> Array:
