@@ -127,13 +127,16 @@ class _StickBreakingByElements(StickBreaking):
         return None
 
 
+@pytest.mark.parametrize("sharp", [1.0, 4.0], ids=["logits~1", "logits~16"])
 @pytest.mark.parametrize("block_size", [None, 4])
-def test_stick_breaking_lift_at_zero_matches_its_elements(block_size, getkey):
+def test_stick_breaking_lift_at_zero_matches_its_elements(block_size, sharp, getkey):
     """At zeta = 0 stick-breaking lifts a block from its logits with an inclusive suffix sum;
     attention, covariance and the gradient of a loss in q, k, v equal those lifted from its
-    elements (log w_a = x_a + log r_a, exclusive sum), with masked keys and a row of none."""
+    elements (log w_a = x_a + log r_a, exclusive sum), with masked keys and a row of none, and
+    with logits of order 16 (beta near 0 or 1, where the two round differently)."""
     shape = (6, 11, HEADS, 2, 8, 3)
     q, k, v = make_qkv(getkey, shape, jnp.float32)
+    q, k = q * sharp, k * sharp
     mask = jax.random.bernoulli(getkey(), 0.6, (HEADS, shape[0], shape[1])).at[:, 0].set(False)
     kw = {"causal": True, "q_offset": 5, "mask": mask}
     ours, by_elements = StickBreaking(), _StickBreakingByElements()

@@ -41,21 +41,22 @@ def hide(x, hidden, value):
 PAIRED = [("mask", "nan"), ("causal", "inf")]
 
 
-def energy_problem(getkey, masking, dv=D):
+def energy_problem(getkey, masking, dv=D, queries=T):
     """(q, k, v, kw for the library, kw for np_reference, hidden [S]) for `masking` in
     {"mask", "causal"}: the hidden slots are invisible to every query and head."""
-    q = jax.random.normal(getkey(), (T, H, D))
+    q = jax.random.normal(getkey(), (queries, H, D))
     k = jax.random.normal(getkey(), (S, HK, D))
     v = jax.random.normal(getkey(), (S, HK, dv))
     hidden = np.zeros(S, bool)
     if masking == "mask":
         hidden[list(MASK_HIDDEN)] = True
-        mask = np.array(jax.random.bernoulli(getkey(), 0.7, (T, S)))
+        mask = np.array(jax.random.bernoulli(getkey(), 0.7, (queries, S)))
         mask[:, 0] = True  # every query sees at least one key
         mask[:, hidden] = False
         kw = {"mask": jnp.asarray(mask)}
         ref_kw = {"mask": mask}
     else:
+        assert queries == T, "causal: the queries sit at CAUSAL_OFFSET and after"
         hidden[CAUSAL_OFFSET + T :] = True
         kw = {"causal": True, "q_offset": CAUSAL_OFFSET}
         ref_kw = dict(kw)
@@ -142,6 +143,17 @@ def test_poison_reaches_only_the_rows_that_see_it(queries, energy_name, getkey):
     if energy_name == "softmax":
         expected = ref.attention(q, k, v, causal=True, q_offset=offset)
         np.testing.assert_allclose(out[~sees], expected[~sees], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_hidden_poison_energy_attention_many_rows(poison, getkey):
+    """As `test_hidden_poison_energy_attention` with 16 queries: 32 rows per kv head, more than
+    a key's and a value's elements, so the flags of bad keys are reduced in the logits'
+    layout."""
+    q, k, v, kw, ref_kw, hidden = energy_problem(getkey, "mask", queries=16)
+    expected = ref.attention(q, hide(k, hidden, 0.0), hide(v, hidden, 0.0), **ref_kw)
+    fn = jax.jit(lambda q, k, v: energy.energy_attention(q, k, v, **kw))
+    check_blind(fn, q, k, v, hidden, POISONS[poison], expected)
 
 
 @pytest.mark.parametrize("poison", POISONS)

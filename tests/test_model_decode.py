@@ -272,7 +272,7 @@ def test_packing_a_stacked_model_holds_no_unstacked_copy(monkeypatch):
 
     monkeypatch.setattr(PackedWeight, "of", classmethod(recording))
     packed = prepared(model, packed=True).model
-    assert len(extra) >= 7 * config.num_hidden_layers  # and an untied output matrix
+    assert len(extra) >= 7 * config.num_hidden_layers  # every projection of every layer
     assert isinstance(packed.layers, tuple)
     # One layer's slices (and the weight being packed) at most; all six layers would be 6.
     assert max(extra) <= 1.5 * layer, (max(extra), layer)

@@ -451,15 +451,22 @@ def _lse_unit_jvp(primals, tangents):
     return _lse_unit(x, visible), (jnp.sum(p * dx, axis=-1) * s) / (z * s)
 
 
+def _damping(log_r, visible):
+    r"""$\log r_a$ of the visible keys (0 for hidden ones), its inclusive suffix sum
+    $\sum_{b \ge a}\log r_b$ and $\log R$, the block's total."""
+    if visible is not None:
+        log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
+    suffix = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True)
+    log_total = suffix[..., 0] if log_r.shape[-1] else jnp.sum(log_r, axis=-1)
+    return log_r, suffix, log_total
+
+
 def _affine_parts(elements, visible):
     r"""The log-weights of the block's keys (damped by every later key) and $\log R$."""
     log_w, log_r = elements
-    if visible is not None:
-        log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
     # Each key's weight is damped by every later key of the block: the exclusive suffix sum.
     # The log-sum-exp masks the weights itself (no select in their derivative).
-    suffix = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True)
-    log_total = suffix[..., 0] if log_r.shape[-1] else jnp.sum(log_r, axis=-1)
+    log_r, suffix, log_total = _damping(log_r, visible)
     return log_w + (suffix - log_r), log_total
 
 
@@ -469,10 +476,7 @@ def affine_lift_unit_damped(log_u: Array, log_r: Array, visible: Array | None):
     $\log Z = \log\sum_a u_a\prod_{b \ge a} r_b$ by an inclusive suffix sum. Equal to
     `lift_unit` of the elements $(\log u_a + \log r_a, \log r_a)$, without adding $\log r_a$
     to every key and subtracting it again (stick-breaking's $u_a = e^{x_a}$)."""
-    if visible is not None:
-        log_r = jnp.where(visible, log_r, jnp.zeros((), log_r.dtype))
-    suffix = lax.cumsum(log_r, axis=log_r.ndim - 1, reverse=True)
-    log_total = suffix[..., 0] if log_r.shape[-1] else jnp.sum(log_r, axis=-1)
+    _, suffix, log_total = _damping(log_r, visible)
     return _lse_unit(log_u + suffix, visible), log_total
 
 

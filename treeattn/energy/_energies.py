@@ -149,7 +149,8 @@ class Energy(eqx.Module):
         default: `elements`, then the monoid's lift). `tilt` is exactly 0 there but carries
         its derivatives, which the state must keep to every order; `visible` (None: every key)
         says which keys enter. For an energy whose log-domain elements cost transcendentals
-        and passes that its weights do not (`Softpick`)."""
+        and passes that its weights do not (`Softpick`), or operations that the state does not
+        need (`StickBreaking`: $\log r_a$ added to each key's log-weight and taken off again)."""
         return None
 
     def _unit_weights_at_zero(self) -> bool:
@@ -437,8 +438,8 @@ class StickBreaking(Energy):
         return type(self).elements is StickBreaking.elements
 
     def _lift_at_zero(self, x, tilt, visible, ctx):
-        # log A_a = x_a + sum_{b >= a} log(1 - beta_b): the inclusive suffix sum, so log(1 -
-        # beta_a) is neither added to every key's log-weight nor subtracted again.
+        # log A_a = x_a + sum_{b >= a} log(1 - beta_b): the inclusive suffix sum, so that
+        # log(1 - beta_a) is neither added to every key's log-weight nor subtracted again.
         if type(self).elements is not StickBreaking.elements:
             return None
         return affine_lift_unit_damped(x + tilt, -_softplus(x), visible)

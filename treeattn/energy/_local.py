@@ -39,8 +39,9 @@ def finite_kv(
     """K and V with their non-finite rows set to 0, and which (kv head, key) those were: the
     logits of those keys become NaN (`bad_logits`), so a query that does not see them is
     untouched and one that does gets NaN (see `finite_rows`). With `head_major`, K and V are
-    `[kv_heads, kv, d]`. `rows`: the query rows per kv head whose logits the flags will
-    poison."""
+    `[kv_heads, kv, d]`. `rows` (the query rows per kv head whose logits the flags will
+    poison) chooses only where the flags are reduced, not what they are; it is ignored with
+    `head_major`."""
     k0, bad_k = finite_rows(k)
     v0, bad_v = finite_rows(v)
     if head_major:
@@ -50,7 +51,7 @@ def finite_kv(
     # More logits per key than elements of its key and value: the flags are reduced again in
     # the logits' layout. Transposed after the reduction, they are fused into every pass over
     # the logits that adds the NaN bias and read there with a stride, which keeps XLA:CPU from
-    # vectorising those passes (stick-breaking's softplus pass took 2.7x as long). With few
+    # vectorising those passes (stick-breaking's softplus pass took 2.7-3.1x as long). With few
     # rows (decoding) reading K and V in the transposed order costs more than that.
     bad = jnp.any(~jnp.isfinite(jnp.swapaxes(k, 0, 1)), axis=-1)
     return k0, v0, bad | jnp.any(~jnp.isfinite(jnp.swapaxes(v, 0, 1)), axis=-1)

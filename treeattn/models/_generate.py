@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 def packed_weights(model: Transformer) -> Transformer:
     """`model` with every projection's weight (and a tied embedding, which the logits read as
-    a weight) a `PackedWeight`, where it can be packed; stacked layers are unstacked first."""
+    a weight) a `PackedWeight`, where it can be packed; stacked layers are unstacked one
+    layer at a time, as they are packed."""
 
     def pack(m):
         if isinstance(m, eqx.nn.Linear) and PackedWeight.packs(m.weight):
