@@ -83,6 +83,8 @@ CASES = [
     (6, 1, 32, 32, jnp.bfloat16, "bshd", False),  # tiles of 4 and 2 rows
     (1, 1, 32, 96, jnp.bfloat16, "bhsd", True),  # three column tiles of 32
     (3, 1, 64, 128, jnp.bfloat16, "bhsd", True),  # two column tiles of 64 for 3 rows
+    (8, 1, 32, 32, jnp.float32, "bshd", True),  # two tiles taking turns over sub-blocks
+    (3, 2, 24, 20, jnp.float32, "bhsd", True),  # the same with the scalar loops
 ]
 
 
