@@ -3,7 +3,8 @@
 Decode attention: head dims that are a multiple of the vector width (16 floats with AVX-512, 8
 with AVX2, 4 otherwise) take the tiled paths: query rows in tiles of up to 4 (AVX-512) or 2,
 keys one at a time for head dims of 64 and 128 and otherwise 4 at a time plus a tail of 1-3
-(with AVX512-BF16, bfloat16 keys of 32 and 64 through its dot products, 4 at a time), value
+(keys of 32 by lanes on AVX-512; with AVX512-BF16, bfloat16 keys of 32 and 64 through its dot
+products, 4 at a time), with more rows than a tile the tiles in turns over sub-blocks, value
 columns in tiles of 8, 4, 3, 2 or 1 vectors (with AVX512-BF16, bfloat16 values of a multiple of
 32 in pairs of keys through its dot products, where no weight of the tile is 0, a block of an
 odd number of keys ending in half a pair; else widened); blocks of 512 keys that every row
@@ -85,6 +86,9 @@ CASES = [
     (3, 1, 64, 128, jnp.bfloat16, "bhsd", True),  # two column tiles of 64 for 3 rows
     (8, 1, 32, 32, jnp.float32, "bshd", True),  # two tiles taking turns over sub-blocks
     (3, 2, 24, 20, jnp.float32, "bhsd", True),  # the same with the scalar loops
+    (7, 1, 32, 32, jnp.float32, "bhsd", True),  # keys by lanes in tiles of 4 and 3 rows
+    (2, 1, 32, 32, jnp.float32, "bshd", False),  # in one tile of 2 rows
+    (5, 1, 32, 256, jnp.float32, "bhsd", True),  # sub-blocks sized by the wider value rows
 ]
 
 
@@ -185,12 +189,14 @@ NAN_CASES = {
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("where", list(NAN_CASES))
-def test_nan_reaches_only_the_rows_that_see_it(where, dtype):
+@pytest.mark.parametrize("group, d", [(2, 64), (3, 32)], ids=["one-tile", "sub-blocks"])
+def test_nan_reaches_only_the_rows_that_see_it(where, dtype, group, d):
     """Causal queries at the last two positions: a NaN key (and value) seen by the second only.
     In a tile, the first row weighs the slot 0 and must not read it; over splits of the keys,
-    the merge gives the second row NaN. The first row is the attention over its keys."""
+    the merge gives the second row NaN. The first row is the attention over its keys. With 6
+    rows of 32 the tiles take turns over sub-blocks and the keys go by lanes."""
     kv_seq, length, from_slot, one_slot = NAN_CASES[where]
-    group, q_seq, d = 2, 2, 64
+    q_seq = 2
     q, k, v = inputs(6, 1, q_seq, group, 1, d, d, dtype, kv_seq=kv_seq)
     clean_k, clean_v = np.asarray(k, np.float64), np.asarray(v, np.float64)
     if from_slot is not None:
@@ -412,7 +418,7 @@ def test_products_of_a_large_weight_are_shared_by_the_threads(rows, n_in, packed
 
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
-EXPECTED_NARROW = len(CASES) + 4 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 4
+EXPECTED_NARROW = len(CASES) + 8 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 4
 # -march for each target, and the registers its library must not use.
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 

@@ -13,10 +13,13 @@
 // extensions, so one source serves AVX-512, AVX2 and SSE/NEON): the logits of kTile query rows
 // against one key at a time for head dims of 64 and 128 (each K vector loaded once for the
 // rows, the kTile dot products reduced together) and 4 keys at a time for the others (each Q
-// vector also loaded once for the keys, the 4 * kTile dot products reduced together), and the
-// values as kTile rows x NV vectors of accumulators held in registers across the keys of a
-// block. bfloat16 is widened as it is loaded, but with AVX512-BF16 the logits of keys of 32 and
-// 64 take the CPU's bfloat16 dot products 4 keys at a time, and values of a multiple of 32 with
+// vector also loaded once for the keys, the 4 * kTile dot products reduced together; keys of
+// 32 on AVX-512 by lanes, the 128-bit lanes of the 4 keys transposed so that no sum is reduced
+// across a whole vector), and the values as kTile rows x NV vectors of accumulators held in
+// registers across the keys of a block. With more rows than a tile, the tiles take turns over
+// sub-blocks of a few KB, so the stream from memory runs through every tile's arithmetic.
+// bfloat16 is widened as it is loaded, but with AVX512-BF16 the logits of keys of 32 and 64
+// take the CPU's bfloat16 dot products 4 keys at a time, and values of a multiple of 32 with
 // bfloat16 weights 2 keys at a time where no weight of the row tile is 0. A value row is read
 // only if some query row gives it a nonzero weight, so masked slots (and weights that underflow
 // to 0) never touch V: NaN in a slot no query sees stays out.
@@ -55,12 +58,13 @@ constexpr int64_t kBlock = 512;  // keys per block (a smaller block costs more p
 // alone keeps too few lines in flight for the short rows of a head (a key of 64 bfloat16 is
 // two cache lines) to stream at memory speed.
 constexpr int64_t kAhead = 32;
-// With more query rows than a register tile, the tiles take turns over sub-blocks of this many
-// bytes of keys (and of values), so the first tile's pass streams a sub-block from memory and
-// the others find it in L1, and the stream runs on through every tile's arithmetic rather than
-// stopping while the later tiles re-read the block from L2. Timed in turns against whole blocks
-// per tile (cold caches, 25 rounds): 0.85-0.91x the time with 8 rows per kv head of 32 and 16
-// rows of 64 and 128 in float32, 0.96-1.00x in bfloat16; 2 KB and 6 KB sub-blocks did no better.
+// With more query rows than a register tile, the tiles take turns over sub-blocks of keys whose
+// rows of keys or of values (the wider) fill this many bytes, at least 16 keys, so the first
+// tile's pass streams a sub-block from memory and the others find it in L1, and the stream runs
+// on through every tile's arithmetic rather than stopping while the later tiles re-read the
+// block from L2. Timed in turns against whole blocks per tile (AVX-512, cold caches, 25
+// rounds): 0.85-0.91x the time with 8 rows per kv head of 32 and 16 rows of 64 and 128 (there
+// 16 keys, 8 KB) in float32, 0.96-1.00x in bfloat16; 2 KB and 6 KB did no better.
 constexpr int64_t kSubBytes = 4096;
 
 // A software prefetch of a row (a key, a value, a weight row) fills L2 (prefetcht1 on x86),
@@ -350,6 +354,8 @@ inline void dots_by_lanes(const T* __restrict qx, const T* __restrict k, int64_t
         if constexpr (std::is_same_v<T, uint16_t>) {
 #if defined(__AVX512BF16__)
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)qv, (__m512bh)u[i]);
+#else
+          static_assert(!std::is_same_v<T, uint16_t>, "bfloat16 keys by lanes need AVX512-BF16");
 #endif
         } else {
           acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(qv), _mm512_castsi512_ps(u[i]), acc[r]);
@@ -372,7 +378,9 @@ inline void dots_by_lanes(const T* __restrict qx, const T* __restrict k, int64_t
   vf32 f = TREEATTN_SHUFFLE(t01, t23, 0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30) +
            TREEATTN_SHUFFLE(t01, t23, 1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31);
   if constexpr (std::is_same_v<T, uint16_t>) f *= scale;
-  for (int r = 0; r < RT; ++r) std::memcpy(s + r * kBlock, &f[4 * r], 4 * sizeof(float));
+  float sums[16];  // Clang takes no address of a vector's element
+  std::memcpy(sums, &f, sizeof sums);
+  for (int r = 0; r < RT; ++r) std::memcpy(s + r * kBlock, sums + 4 * r, 4 * sizeof(float));
 }
 #endif
 
@@ -727,11 +735,12 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
   std::vector<char> has_zero(rows);  // per row of the block: some weight is 0
   enum : char { kScalar, kSparse, kDense, kBf16 };
   std::vector<char> tile_weighs((rows + kTile - 1) / kTile);
-  // Keys per sub-block (kSubBytes): a multiple of the vector width, at least 16; one tile: the
-  // whole block.
-  const int64_t key_bytes = std::max<int64_t>(d.qk, 1) * static_cast<int64_t>(sizeof(T));
+  // Keys per sub-block (kSubBytes): a multiple of 16 (whole groups of 4 keys, even for the
+  // bfloat16 pairs); one tile: the whole block.
+  const int64_t row_bytes =
+      std::max<int64_t>(std::max(d.qk, d.dv), 1) * static_cast<int64_t>(sizeof(T));
   const int64_t sub =
-      rows > kTile ? std::clamp<int64_t>(kSubBytes / key_bytes / 16 * 16, 16, kBlock) : kBlock;
+      rows > kTile ? std::clamp<int64_t>(kSubBytes / row_bytes / 16 * 16, 16, kBlock) : kBlock;
   const int64_t offset = q_offset[b], length = kv_length[b];
   for (int64_t j = 0; j < g; ++j) {
     for (int64_t t = 0; t < d.q_seq; ++t) {
