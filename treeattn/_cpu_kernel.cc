@@ -294,28 +294,6 @@ inline void dots_one_key(const float* __restrict q, const T* __restrict k, int64
   for (int r = 0; r < RT; ++r) s[r * kBlock] = sums[r];
 }
 
-template <int RT, int DQ, typename T>
-void logits_tile(const float* q, int64_t qk, const T* k, int64_t ks, int64_t n, float* s) {
-  if constexpr (DQ >= 64) {
-    // Head dims of 64 and 128 stream one key at a time: 4 keys at once read 4 rows in step,
-    // 4 interleaved streams, which a cold cache serves more slowly than one. Timed in turns on
-    // a cold cache (AVX-512), one key at a time took 0.71-0.96x the time of 4 (1 to 16 query
-    // rows per kv head, float32 and bfloat16). Keys of 32 keep 4 per step, whose sums are
-    // reduced together (one key at a time was mixed there: slightly faster in float32, slower
-    // in bfloat16).
-    for (int64_t i = 0; i < n; ++i) dots_one_key<RT, DQ>(q, k + i * ks, ks, s + i);
-    return;
-  }
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) dots<RT, 4, DQ>(q, qk, k + i * ks, ks, s + i);
-  switch (n - i) {
-    case 3: dots<RT, 3, DQ>(q, qk, k + i * ks, ks, s + i); break;
-    case 2: dots<RT, 2, DQ>(q, qk, k + i * ks, ks, s + i); break;
-    case 1: dots<RT, 1, DQ>(q, qk, k + i * ks, ks, s + i); break;
-    default: break;
-  }
-}
-
 #if defined(__AVX512F__)
 // Keys by lanes: the logits of RT <= 4 query rows against 4 keys with no reduction across a
 // whole vector per (row, key). The 128-bit lanes of the 4 keys are transposed (u[i] holds lane
@@ -383,6 +361,36 @@ inline void dots_by_lanes(const T* __restrict qx, const T* __restrict k, int64_t
   for (int r = 0; r < RT; ++r) std::memcpy(s + r * kBlock, sums + 4 * r, 4 * sizeof(float));
 }
 #endif
+
+// qx: the rows laid out for dots_by_lanes (float32 keys of 32 with AVX-512), else null.
+template <int RT, int DQ, typename T>
+void logits_tile(const float* q, const float* qx, int64_t qk, const T* k, int64_t ks, int64_t n,
+                 float* s) {
+  if constexpr (DQ >= 64) {
+    // Head dims of 64 and 128 stream one key at a time: 4 keys at once read 4 rows in step,
+    // 4 interleaved streams, which a cold cache serves more slowly than one. Timed in turns on
+    // a cold cache (AVX-512), one key at a time took 0.71-0.96x the time of 4 (1 to 16 query
+    // rows per kv head, float32 and bfloat16). Keys of 32 keep 4 per step, whose sums are
+    // reduced together (one key at a time was mixed there: slightly faster in float32, slower
+    // in bfloat16).
+    for (int64_t i = 0; i < n; ++i) dots_one_key<RT, DQ>(q, k + i * ks, ks, s + i);
+    return;
+  }
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (DQ == 32 && std::is_same_v<T, float>) {
+    if (qx)
+      for (; i + 4 <= n; i += 4) dots_by_lanes<RT, 2>(qx, k + i * ks, ks, 1.0f, s + i);
+  }
+#endif
+  for (; i + 4 <= n; i += 4) dots<RT, 4, DQ>(q, qk, k + i * ks, ks, s + i);
+  switch (n - i) {
+    case 3: dots<RT, 3, DQ>(q, qk, k + i * ks, ks, s + i); break;
+    case 2: dots<RT, 2, DQ>(q, qk, k + i * ks, ks, s + i); break;
+    case 1: dots<RT, 1, DQ>(q, qk, k + i * ks, ks, s + i); break;
+    default: break;
+  }
+}
 
 #if defined(__AVX512BF16__)
 // The bfloat16 form of `tile_dots`, with the CPU's bfloat16 dot products (AVX512-BF16): each
@@ -460,25 +468,10 @@ void block_logits_bf16(const uint16_t* q, const uint16_t* qx, int64_t qk, const 
 template <int RT, typename T>
 void block_logits(const float* q, const float* qx, int64_t qk, const T* k, int64_t ks, int64_t n,
                   float* s) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (qx) {
-      int64_t i = 0;
-      for (; i + 4 <= n; i += 4) dots_by_lanes<RT, 2>(qx, k + i * ks, ks, 1.0f, s + i);
-      switch (n - i) {
-        case 3: dots<RT, 3, 32>(q, qk, k + i * ks, ks, s + i); break;
-        case 2: dots<RT, 2, 32>(q, qk, k + i * ks, ks, s + i); break;
-        case 1: dots<RT, 1, 32>(q, qk, k + i * ks, ks, s + i); break;
-        default: break;
-      }
-      return;
-    }
-  }
-#endif
-  if (qk == 32) return logits_tile<RT, 32>(q, qk, k, ks, n, s);
-  if (qk == 64) return logits_tile<RT, 64>(q, qk, k, ks, n, s);
-  if (qk == 128) return logits_tile<RT, 128>(q, qk, k, ks, n, s);
-  logits_tile<RT, 0>(q, qk, k, ks, n, s);
+  if (qk == 32) return logits_tile<RT, 32>(q, qx, qk, k, ks, n, s);
+  if (qk == 64) return logits_tile<RT, 64>(q, nullptr, qk, k, ks, n, s);
+  if (qk == 128) return logits_tile<RT, 128>(q, nullptr, qk, k, ks, n, s);
+  logits_tile<RT, 0>(q, nullptr, qk, k, ks, n, s);
 }
 
 // acc[r] += sum_i p[r][i] v[i] for RT rows (p: row stride kBlock; acc: row stride dv), in column
