@@ -15,6 +15,7 @@ from helpers import backend_of, decode_program, generate_program, mesh_of, tree
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
+from treeattn._native import load_kernel
 from treeattn.models import (
     AttentionBackend,
     KVCache,
@@ -168,6 +169,29 @@ def test_batched_generate_holds_no_copy_of_the_cache(backend, rows, dtype):
     # for a bfloat16 scatter, as before, held twice that).
     bits = local_bytes if (be.name != "flash" and itemsize == 2) else 0
     assert memory.temp_size_in_bytes < np.prod(local) * itemsize / 4 + widened + bits
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or load_kernel() is not None,
+    reason="the C++ write runs on a CPU process where it builds",
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_a_step_writes_each_cache_buffer_in_one_call(dtype, batch):
+    """A decode step writes each layer's K and V buffer once: of a batch, with one call of
+    the C++ write for all its rows (not an operation per row); of one sequence, a float32
+    buffer by XLA's own in-place slice update, a bfloat16 one by the C++ write."""
+    model = model_of(dtype)
+    text = model.decoder(max_len=MAX_LEN, batch=batch).compiled_step().as_text()
+    entry = text[text.index("ENTRY") :]
+    writes = entry.count('custom_call_target="treeattn_cpu_write"')
+    updates = sum("dynamic-update-slice" in line for line in entry.splitlines())
+    layers = CONFIG.num_hidden_layers
+    if batch is None and dtype == jnp.float32:
+        assert writes == 0 and updates >= 2 * layers
+    else:
+        assert writes == 2 * layers, writes
+        assert updates == 0, updates
 
 
 @pytest.mark.parametrize("mask", [False, True], ids=["same-length", "padded"])

@@ -584,10 +584,12 @@ def _narrow(dtype) -> bool:
 @jax.custom_batching.custom_vmap
 def _write_slices(buffer, updates, starts):
     """`buffer` with each `updates[r]` written at `starts[r]` (`[rows, buffer.ndim]`, clamped
-    so that it fits): on XLA:CPU a 16-bit float buffer by treeattn's C++ write, in place, when
-    it is built; else one slice update per row."""
+    so that it fits): on XLA:CPU, when it is built, by treeattn's C++ write, in place, for a
+    16-bit float buffer or more than one row (one call instead of a slice update per row, each
+    an operation of its own: a batch of 8 adds 16 per layer and step); else one slice update
+    per row."""
     updates = updates.astype(buffer.dtype)
-    if _narrow(buffer.dtype) and load_kernel() is None:
+    if (_narrow(buffer.dtype) or updates.shape[0] > 1) and load_kernel() is None:
         return jax.lax.platform_dependent(
             buffer, updates, starts, cpu=_native_write, default=_slice_updates
         )
