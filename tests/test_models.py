@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -146,6 +147,35 @@ def test_rmsnorm_and_rotary_against_numpy(getkey):
             [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)]
         )
         np.testing.assert_allclose(out[t, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(jnp.float32, 5e-5), (jnp.bfloat16, 2e-2)])
+def test_rotary_over_heads_against_numpy_in_one_operation(dtype, tol, getkey):
+    """Rotary over several heads and positions against float64 NumPy; compiled for CPU it is
+    one operation (halves sliced and concatenated back were four: XLA:CPU does not fuse a
+    concatenation)."""
+    rot = RotaryEmbedding(128, theta=500.0)
+    h = jax.random.normal(getkey(), (5, 8, 128)).astype(dtype)  # a decode step's queries
+    positions = jnp.asarray([0, 1, 7, 64, 300])
+    out = jax.jit(rot)(h, positions)
+    assert out.dtype == dtype and out.shape == h.shape
+    ang = np.asarray(positions, np.float64)[:, None, None] * rot.inv_freq()
+    hn = np.asarray(h, np.float64)
+    x1, x2 = hn[..., :64], hn[..., 64:]
+    expected = np.concatenate(
+        [x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1
+    )
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol, atol=tol)
+    if jax.default_backend() == "cpu":
+        text = jax.jit(rot).lower(h, positions).compile().as_text()
+        entry = text[text.index("ENTRY") :].splitlines()[1:]
+        ops = [
+            line
+            for line in entry
+            if " = " in line
+            and not re.search(r"\b(parameter|constant|bitcast|tuple|get-tuple-element)\(", line)
+        ]
+        assert len(ops) == 1, "\n".join(ops)
 
 
 # ---------------------------------------------------------------------------------------------
