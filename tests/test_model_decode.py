@@ -520,13 +520,16 @@ def _write_np(buffer, update, start, axis):
     return out
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.bool_, jnp.int4]
+)
 @pytest.mark.parametrize("rows", [2, 19])  # unrolled, and a loop over the rows
 def test_the_cache_write_under_vmap(dtype, rows, getkey):
-    """`write_at` under `vmap`: per-row starts (one slice update per row), a shared start, a
-    shared buffer, a shared update, nested `vmap`, and clamping at the end, against NumPy."""
-    buffers = jax.random.normal(getkey(), (rows, 2, 9, 3)).astype(dtype)
-    updates = jax.random.normal(getkey(), (rows, 2, 2, 3)).astype(dtype)
+    """`write_at` under `vmap`: per-row starts (one slice write per row; on CPU one C++ call
+    for the rows, whose elements fill whole bytes), a shared start, a shared buffer, a shared
+    update, nested `vmap`, and clamping at the end, against NumPy."""
+    buffers = (3 * jax.random.normal(getkey(), (rows, 2, 9, 3))).astype(dtype)
+    updates = (3 * jax.random.normal(getkey(), (rows, 2, 2, 3))).astype(dtype)
     starts = jnp.arange(rows, dtype=jnp.int32) % 9  # past 7 (= 9 - 2): clamped, as lax does
     write = functools.partial(write_at, axis=1)
     b, u = np.asarray(buffers, np.float64), np.asarray(updates, np.float64)

@@ -155,11 +155,14 @@ def test_rotary_over_heads_against_numpy_in_one_operation(dtype, tol, getkey):
     one operation (halves sliced and concatenated back were four: XLA:CPU does not fuse a
     concatenation)."""
     rot = RotaryEmbedding(128, theta=500.0)
-    h = jax.random.normal(getkey(), (5, 8, 128)).astype(dtype)  # a decode step's queries
+    h = jax.random.normal(getkey(), (5, 8, 128)).astype(dtype)  # 5 positions, 8 heads
     positions = jnp.asarray([0, 1, 7, 64, 300])
     out = jax.jit(rot)(h, positions)
     assert out.dtype == dtype and out.shape == h.shape
-    ang = np.asarray(positions, np.float64)[:, None, None] * rot.inv_freq()
+    # The angles as the layer forms them, in float32 (at position 300 float64 angles differ
+    # by ~3e-5); their cos, sin and the rotation in float64.
+    inv = rot.inv_freq().astype(np.float32)
+    ang = (np.asarray(positions, np.float32)[:, None, None] * inv).astype(np.float64)
     hn = np.asarray(h, np.float64)
     x1, x2 = hn[..., :64], hn[..., 64:]
     expected = np.concatenate(

@@ -1605,8 +1605,9 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingAr
 // XLA:CPU updates a slice of a 32-bit buffer in place, but a 16-bit float one (bfloat16,
 // float16) through a pass over the whole buffer: a decode step would read and write all of a
 // long cache to add one token. Here the buffer is the result (aliased; XLA copies it first
-// only if it must keep the original), and only the updates' bytes are written. Starts are
-// clamped so that each update fits, as in XLA's dynamic-update-slice.
+// only if it must keep the original), and only the updates' bytes are written. A batch's rows
+// (of any dtype of whole bytes) are one call, where slice updates would be an operation each.
+// Starts are clamped so that each update fits, as in XLA's dynamic-update-slice.
 
 ffi::Error Write(ffi::AnyBuffer buffer, ffi::AnyBuffer updates, ffi::Buffer<ffi::S32> starts,
                  ffi::Result<ffi::AnyBuffer> out) {

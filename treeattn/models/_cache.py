@@ -552,7 +552,8 @@ def write_at(
     lowers a slice update to a scatter; XLA:CPU has no scatter of bfloat16 or float16 and then
     converts the whole buffer to float32 and back, on every decode step. Here each row is one
     slice write of the batched buffer instead (`_write_slices`), in place on a donated or
-    loop-carried buffer, for every dtype (a 16-bit float one by treeattn's C++ write on CPU).
+    loop-carried buffer, for every dtype (on CPU by treeattn's C++ write for a 16-bit float
+    buffer or more than one row: one call for all the rows).
     Start indices are clamped so the update fits, as in `lax.dynamic_update_slice`.
     Differentiable (the tangent is the same write of the tangents)."""
     starts = jnp.zeros((buffer.ndim,), jnp.int32).at[axis].set(jnp.asarray(start, jnp.int32))
@@ -581,6 +582,17 @@ def _narrow(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
 
 
+def _whole_bytes(dtype) -> bool:
+    """Whether elements of `dtype` fill whole bytes (the C++ write copies bytes; int4 or
+    float4 would be packed two to a byte)."""
+    d = jnp.dtype(dtype)
+    if jnp.issubdtype(d, jnp.integer):
+        return jnp.iinfo(d).bits == 8 * d.itemsize
+    if jnp.issubdtype(d, jnp.floating):
+        return jnp.finfo(d).bits == 8 * d.itemsize
+    return True
+
+
 @jax.custom_batching.custom_vmap
 def _write_slices(buffer, updates, starts):
     """`buffer` with each `updates[r]` written at `starts[r]` (`[rows, buffer.ndim]`, clamped
@@ -589,7 +601,8 @@ def _write_slices(buffer, updates, starts):
     an operation of its own: a batch of 8 adds 16 per layer and step); else one slice update
     per row."""
     updates = updates.astype(buffer.dtype)
-    if (_narrow(buffer.dtype) or updates.shape[0] > 1) and load_kernel() is None:
+    native = _narrow(buffer.dtype) or updates.shape[0] > 1
+    if native and _whole_bytes(buffer.dtype) and load_kernel() is None:
         return jax.lax.platform_dependent(
             buffer, updates, starts, cpu=_native_write, default=_slice_updates
         )

@@ -372,7 +372,7 @@ class RotaryEmbedding(eqx.Module):
         # The halves as an axis of 2, (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) with the halves
         # swapped by a flip: one elementwise fusion. (Halves sliced and concatenated back are
         # four operations on XLA:CPU, which does not fuse a concatenation; the same products
-        # and sums, so the same bits.)
+        # and sums.)
         h = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, self.dim // 2)
         sign = jnp.asarray([-1.0, 1.0], jnp.float32)[:, None]
         out = h * cos + jnp.flip(h, axis=-2) * sign * sin
