@@ -536,16 +536,27 @@ def layer_cost(args) -> dict:
             jax.block_until_ready(d.step(token))
             times[k].append(time.perf_counter() - start)
     t1, tn = (statistics.median(times[k]) for k in (1, deep))
+    # The operations a layer adds at batch 8 (compiled, not timed): what a batch adds is the
+    # cache writes of its rows.
+    ops = {}
+    for layers in (1, deep):
+        cell = Cell(layers, 64, 16, 2, True, "float32", 8, 128, vocab=256)
+        decoder = Transformer(cell.config(64), key=jax.random.key(0)).decoder(
+            max_len=cell.context + 8, batch=8, backend=args.backend
+        )
+        ops[layers] = entry_ops(decoder.compiled_step().as_text())
     out |= {
         "step_1_layer_s": t1,
         f"step_{deep}_layers_s": tn,
         "per_layer_s": (tn - t1) / (deep - 1),
         "ops_per_layer": (out[f"ops_{deep}"] - out["ops_1"]) / (deep - 1),
+        "ops_per_layer_batch8": (ops[deep] - ops[1]) / (deep - 1),
     }
     print(
         f"\nper-layer fixed cost (hidden 64, fp32, one sequence, 128 cached tokens): 1 layer "
         f"{t1 * 1e3:.3f} ms, {deep} layers {tn * 1e3:.3f} ms: {out['per_layer_s'] * 1e6:.1f} us "
-        f"and {out['ops_per_layer']:.0f} operations per layer (compiled HLO)"
+        f"and {out['ops_per_layer']:.0f} operations per layer (compiled HLO); "
+        f"{out['ops_per_layer_batch8']:.0f} at batch 8"
     )
     return out
 
