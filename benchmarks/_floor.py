@@ -326,7 +326,7 @@ def run_cell(cell: Cell, args) -> dict:
     row["cache_bytes"] = cache
     # The model, its prepared copy, the cache, the two floor buffers (and transformers').
     need = 2 * weights + cache + 2 * (weights + cache) + (weights + cache) * args.hf
-    need += (weights + cache) * args.arrays
+    need += (weights + cache) * args.arrays + cache * args.energy
     if need > args.max_gb * 1e9:
         row["skipped"] = f"needs {need / 1e9:.1f} GB (> --max-gb {args.max_gb:g})"
         return row
@@ -345,18 +345,28 @@ def run_cell(cell: Cell, args) -> dict:
     arrays = model.decoder(**options, packed=False) if decoder.packed and args.arrays else None
     if arrays is not None:
         arrays.cache = filled(arrays, cell, jax.random.key(1))
-        jax.block_until_ready(arrays.step(token))
+        # `filled` commits the buffers to their device, which the step compiles for once, and
+        # then once more for its outputs (the length committed too): two steps warm it up.
+        for _ in range(2):
+            jax.block_until_ready(arrays.step(token))
+    # The same step decoding through the gradient of the free energy, in the same rounds.
+    energy = model.decoder(**options | {"backend": "energy"}) if args.energy else None
+    if energy is not None:
+        energy.cache = filled(energy, cell, jax.random.key(1))
+        for _ in range(2):
+            jax.block_until_ready(energy.step(token))
     floor = Floor(weights + cache)
     start = time.perf_counter()
     jax.block_until_ready(decoder.step(token))
     row["first_step_s"] = time.perf_counter() - start
     jax.block_until_ready(decoder.step(token))
     steps, floors, kernels = [], [], {k: [] for k in floor.kernels}
-    unpacked = []
+    unpacked, through_energy = [], []
+    order = [(decoder, steps), (arrays, unpacked), (energy, through_energy)]
+    order = [(dec, times) for dec, times in order if dec is not None]
     for i in range(rounds):
         reads = floor.read()
-        # The two decoders' steps in alternating order (each follows the read in half the rounds).
-        order = [(decoder, steps), (arrays, unpacked)] if arrays is not None else [(decoder, steps)]
+        # The decoders' steps in alternating order (each follows the read in some rounds).
         for dec, times in order[:: 1 if i % 2 == 0 else -1]:
             start = time.perf_counter()
             jax.block_until_ready(dec.step(token))
@@ -385,7 +395,12 @@ def run_cell(cell: Cell, args) -> dict:
         row["step_arrays_s"] = statistics.median(unpacked)
         row["packed_over_arrays"] = statistics.median(packed_over)
         row["packed_over_arrays_iqr"] = spread(packed_over)
-    del arrays
+    if through_energy:
+        over = [a / b for a, b in zip(through_energy, steps, strict=True)]
+        row["energy_step_s"] = statistics.median(through_energy)
+        row["energy_over_step"] = statistics.median(over)
+        row["energy_over_step_iqr"] = spread(over)
+    del arrays, energy
     if args.hf and cell.dtype == "float32":
         row |= against_transformers(model, decoder, cell, args, new)
     del decoder, floor
@@ -582,7 +597,9 @@ def checkpoint_row(args) -> dict | None:
     except Exception as e:  # the package is not installed
         print(f"\nreal checkpoint: skipped ({e})")
         return None
-    model = Transformer.from_gguf(path, dtype=jnp.float32, backend=args.backend)
+    # As a user loads it: the model's default backend unless one is asked for.
+    chosen = {} if args.backend is None else {"backend": args.backend}
+    model = Transformer.from_gguf(path, dtype=jnp.float32, **chosen)
     cfg = model.config
     cell = Cell(
         cfg.num_hidden_layers,
@@ -652,7 +669,8 @@ def floor(args) -> dict:
         cells = tuple(cells[i] for i in args.cells)
     hf_note = " and transformers (fp32 cells)" if args.hf else ""
     print(
-        f"\nfloor grid: {len(cells)} cells; backend {args.backend!r}; medians of {args.repeats} "
+        f"\nfloor grid: {len(cells)} cells; backend {args.backend or 'the default'!r}; medians "
+        f"of {args.repeats} "
         f"interleaved rounds of the step and the floor{hf_note}"
     )
     rows = []
@@ -727,6 +745,13 @@ def report(rows) -> None:
         print(
             f"packed weights against arrays: {min(packed):.2f}-{max(packed):.2f}x the time, "
             f"median {statistics.median(packed):.2f}x"
+        )
+    energy = [r["energy_over_step"] for r in done if "energy_over_step" in r]
+    if energy:
+        print(
+            f"decoding through the gradient (backend='energy') against the step above: "
+            f"{min(energy):.2f}-{max(energy):.2f}x the time, "
+            f"median {statistics.median(energy):.2f}x"
         )
     if done:
         every = [r["ratio"] for r in done]

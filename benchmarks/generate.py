@@ -55,7 +55,12 @@ def main() -> None:
     parser.add_argument(
         "--repeats", "--rounds", type=int, default=None, help="timed rounds (medians)"
     )
-    parser.add_argument("--backend", default="flash", help="treeattn attention backend")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="treeattn attention backend (default: the decoder's, `flash` for a model on the "
+        "default `energy`)",
+    )
     parser.add_argument("--random-model", action="store_true", help="throughput: 4 x 256 Llama")
     parser.add_argument("--hf", action="store_true", help="floor: against transformers (fp32)")
     parser.add_argument("--static", action="store_true", help="HF static cache + torch.compile")
@@ -69,6 +74,12 @@ def main() -> None:
         action="store_true",
         help="floor: also time each cell's step on the weights as arrays (packed=False), in the "
         "same rounds",
+    )
+    parser.add_argument(
+        "--energy",
+        action="store_true",
+        help="floor: also time each cell's step decoding through the gradient of the free "
+        "energy (backend='energy'), in the same rounds",
     )
     parser.add_argument(
         "--products",
@@ -219,7 +230,7 @@ def throughput(args) -> dict:
     )
     print(
         f"model: {name}; prompt {n_prompt}, {new} new tokens, greedy; "
-        f"treeattn backend {args.backend!r}\n"
+        f"treeattn backend {args.backend or 'the default'!r}\n"
     )
     rows, failures = compare(args, model, hf, prompts, batches, new, generate, jnp)
     return {"model": name, "prompt": n_prompt, "new": new, "rows": rows, "hf_failures": failures}

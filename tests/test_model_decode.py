@@ -93,6 +93,61 @@ def test_compiled_decode_step_holds_no_copy_of_the_cache(backend, dtype):
     assert memory.temp_size_in_bytes < cache.layer(0).k.nbytes / 4
 
 
+def test_decoding_runs_the_energy_backend_on_the_fused_kernel():
+    """`AttentionBackend.decoding`: the default `"energy"` backend decodes on `"flash"`; every
+    other backend (an explicit kernel on a mesh included) is kept."""
+    assert AttentionBackend("energy").decoding == AttentionBackend("flash")
+    for be in ("reference", "flash", AttentionBackend("flash", kernel="cpu")):
+        assert AttentionBackend.of(be).decoding == AttentionBackend.of(be)
+    mesh = mesh_of(1)
+    sharded = AttentionBackend("tree", kernel="energy", mesh=mesh, kv_axis="kv")
+    assert sharded.decoding is sharded
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_model_as_constructed_decodes_on_the_fused_kernel(dtype):
+    """A model on its default backend (`"energy"`), decoded as documented (`model.decoder`,
+    `decode_step`), runs the fused kernel: its compiled step neither converts nor copies a
+    cache-sized buffer (the gradient of the free energy widens a bfloat16 cache to float32),
+    and its logits and tokens are those of decoding through the gradient itself."""
+    model = model_of(dtype)
+    assert model.backend.name == "energy"
+    decoder = model.decoder(max_len=MAX_LEN)
+    assert decoder.backend.name == "flash"
+    text = decoder.compiled_step().as_text()
+    layer_shape = ",".join(str(n) for n in decoder.cache.layer(0).k.shape)
+    big = [
+        line
+        for line in text.splitlines()
+        if re.search(rf"\[{layer_shape}\]", line) and CACHE_COPY.search(line)
+    ]
+    assert big == [], "\n".join(big)
+    if jax.default_backend() == "cpu" and load_kernel() is None:
+        assert 'custom_call_target="treeattn_cpu_decode"' in text
+
+    prompt = jax.random.randint(jax.random.key(3), (12,), 0, CONFIG.vocab_size)
+    energy = model.decoder(max_len=64, backend="energy")
+    fused = model.decoder(max_len=64)
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(
+        np.asarray(fused.prefill(prompt), np.float32),
+        np.asarray(energy.prefill(prompt), np.float32),
+        rtol=tol,
+        atol=tol,
+    )
+    token = jnp.asarray(5)
+    for _ in range(4):
+        a, b = fused.step(token), energy.step(token)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+        )
+        token = jnp.argmax(b)
+    cache = model.init_cache(64)
+    assert cache.layout == decoder.cache.layout
+    logits, _ = decode_step(model, token, cache)
+    assert logits.shape == (CONFIG.vocab_size,)
+
+
 @pytest.mark.parametrize(
     ("backend", "rows", "dtype"),
     [

@@ -89,7 +89,7 @@ class Prepared:
         params, self.static = eqx.partition(model, eqx.is_array)
         self.leaves, self.treedef = jax.tree.flatten(params)
         self.config = model.config
-        self.backend = model.backend
+        self.backend = model.backend.decoding
         self.energy = model.energy
         self._model = model
         self._programs: dict[Any, Callable] = {}
@@ -210,6 +210,11 @@ class Decoder:
     in place, and the host knows the cache's length, so a step that would overflow it is
     refused before it runs and the program itself checks
     nothing. Calls compile once per shape.
+
+    `backend` defaults to the model's for decoding (`AttentionBackend.decoding`): a model on
+    the default `"energy"` backend decodes on `"flash"`, the same attention through a fused
+    kernel (the gradient of the free energy materialises every logit of a step);
+    `backend="energy"` decodes through the gradient itself.
 
     ```python
     decoder = model.decoder(max_len=256)

@@ -166,18 +166,23 @@ class Transformer(eqx.Module):
         buffer per layer, sharded over `mesh`/`kv_axis` (default: the model backend's, when it
         has one) in round-robin blocks of `block` tokens (default 16; for an energy with an
         ordered monoid, one contiguous block per shard: see `KVCache.create`). `layout`
-        defaults to what the model's backend and energy read without a copy
+        defaults to what decoding reads without a copy: the kernel of the model's backend
+        for decoding (`AttentionBackend.decoding`) on its energy
         (`treeattn.decode.cache_layout`)."""
         kw = dict(locals(), layers=self.config.num_hidden_layers)
         del kw["self"]
         kw["dtype"] = dtype or self.embed_tokens.weight.dtype
-        return self.block(0).self_attn.init_cache(**kw)
+        attn = self.block(0).self_attn
+        if layout is None and not (linear_state is not False and attn.uses_linear_state):
+            kw["layout"] = attn.cache_layout(kw["dtype"], backend=self.backend.decoding)
+        return attn.init_cache(**kw)
 
     def decoder(self, **options) -> Decoder:
         """`Decoder(self, **options)`: a [`Decoder`][treeattn.models.Decoder] of this model,
         its weights prepared for decoding once (whether its layers are stacked or not), a KV
         cache of `max_len` tokens (one per row with `batch`; sharded over `mesh`/`kv_axis` with
-        `backend="tree"` or `"ring"`, default the model's backend; `dtype`, `layout` and
+        `backend="tree"` or `"ring"`, default the model's backend for decoding: `"flash"` for
+        `"energy"`, see `AttentionBackend.decoding`; `dtype`, `layout` and
         `block` as in `init_cache`), and the cache's length on the host. It offers `prefill`,
         `step` and `generate`."""
         return Decoder(self, **options)
