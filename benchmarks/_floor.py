@@ -345,16 +345,12 @@ def run_cell(cell: Cell, args) -> dict:
     arrays = model.decoder(**options, packed=False) if decoder.packed and args.arrays else None
     if arrays is not None:
         arrays.cache = filled(arrays, cell, jax.random.key(1))
-        # `filled` commits the buffers to their device, which the step compiles for once, and
-        # then once more for its outputs (the length committed too): two steps warm it up.
-        for _ in range(2):
-            jax.block_until_ready(arrays.step(token))
+        jax.block_until_ready(arrays.step(token))
     # The same step decoding through the gradient of the free energy, in the same rounds.
     energy = model.decoder(**options | {"backend": "energy"}) if args.energy else None
     if energy is not None:
         energy.cache = filled(energy, cell, jax.random.key(1))
-        for _ in range(2):
-            jax.block_until_ready(energy.step(token))
+        jax.block_until_ready(energy.step(token))
     floor = Floor(weights + cache)
     start = time.perf_counter()
     jax.block_until_ready(decoder.step(token))

@@ -299,6 +299,24 @@ def test_decode_step_does_not_recompile(getkey):
     assert int(cache.length) == 15
 
 
+def test_a_decoder_given_a_cache_from_elsewhere_does_not_recompile():
+    """A cache assigned to a `Decoder` (here committed to its device by `device_put`, as a
+    cache filled elsewhere often is) is stepped by the program compiled already."""
+    model = small_model()
+    decoder = model.decoder(max_len=32)
+    decoder.prefill(jnp.arange(4))
+    decoder.step(jnp.asarray(3))
+    filled = jax.tree.map(lambda x: x + 0 if x.ndim >= 3 else x, decoder.cache)
+    filled = jax.device_put(filled, jax.devices()[0])
+    with compilations() as compiles:
+        decoder.cache = filled
+        for t in range(3):
+            decoder.step(jnp.asarray(t))
+        jax.block_until_ready(decoder.cache)
+    assert compiles == []
+    assert int(decoder.length) == 8
+
+
 def test_generate_compiles_once_per_shape(getkey):
     model = small_model()
     prompt = jax.random.randint(getkey(), (6,), 0, SMALL.vocab_size)

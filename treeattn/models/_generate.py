@@ -274,7 +274,11 @@ class Decoder:
         assert length is not None
         self._length = length
         device = dataclasses.replace(cache, length=jnp.asarray(cache.length))
-        self._leaves, self._cache_def = jax.tree.flatten(device)
+        leaves, self._cache_def = jax.tree.flatten(device)
+        # Committed where they lie (no copy): a program compiles for whether its inputs are
+        # committed, and its outputs are when they are, so a cache assigned from elsewhere
+        # (e.g. by `device_put`) would otherwise cost two more compiles of the step.
+        self._leaves = [jax.device_put(x, x.sharding) for x in leaves]
 
     @property
     def cache(self) -> Cache:
@@ -287,7 +291,7 @@ class Decoder:
     def cache(self, cache: Cache) -> None:
         def spec(cache):
             leaves, treedef = jax.tree.flatten(cache)
-            return treedef, [(np.shape(x), np.result_type(x)) for x in leaves]
+            return treedef, [(np.shape(x), jnp.result_type(x)) for x in leaves]
 
         mine, theirs = spec(self.cache), spec(cache)
         if mine != theirs:
