@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers import backend_of, mesh_of, tree
 
+from treeattn.energy import LinearKernel
 from treeattn.models import (
     AttentionBackend,
     KVCache,
@@ -315,6 +316,28 @@ def test_a_decoder_given_a_cache_from_elsewhere_does_not_recompile():
         jax.block_until_ready(decoder.cache)
     assert compiles == []
     assert int(decoder.length) == 8
+
+
+@pytest.mark.parametrize("where", ["tree-2", "linear-state"])
+def test_a_decoder_holds_every_kind_of_cache(where):
+    """A `Decoder` on a sharded cache (its length made on one device must not be pinned there
+    against the mesh's K and V) and on a linear state (a host-side leaf among its arrays)
+    prefills, steps and takes a cache assigned back, with the logits of the functional calls
+    on one device."""
+    if where == "linear-state":
+        model, be = Transformer(SMALL, energy=LinearKernel(), key=jax.random.key(0)), None
+    else:
+        model, be = small_model(), tree(2)
+    decoder = model.decoder(max_len=16, backend=be)
+    cache = model.init_cache(16)
+    prompt = jnp.arange(5) % SMALL.vocab_size
+    want, cache = prefill(model, prompt, cache)
+    np.testing.assert_allclose(decoder.prefill(prompt), want, rtol=1e-5, atol=1e-5)
+    decoder.cache = decoder.cache
+    for t in range(3):
+        want, cache = decode_step(model, jnp.asarray(t), cache)
+        np.testing.assert_allclose(decoder.step(jnp.asarray(t)), want, rtol=1e-5, atol=1e-5)
+    assert decoder.length == 8
 
 
 def test_generate_compiles_once_per_shape(getkey):

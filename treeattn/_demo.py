@@ -250,7 +250,8 @@ def model_demo(new_tokens: int = 240) -> int:
     with tqdm(total=total, desc="replaying", unit="step", leave=False) as bar:
         for name, be in backends.items():
             m = steps_checked.get(name, len(tokens) - n)
-            cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis)
+            layout = model.block(0).self_attn.cache_layout(backend=be)  # what `be` reads
+            cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis, layout=layout)
             first, cache = prefill(model, tokens[:n], cache, backend=be)
             rows = [first[-1]]
             bar.update(1)
@@ -285,7 +286,8 @@ def _replay(model, tokens, n: int, backends: dict, bar) -> dict:
 
     logits = {}
     for name, be in backends.items():
-        cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis)
+        layout = model.block(0).self_attn.cache_layout(backend=be)  # what `be` reads
+        cache = model.init_cache(len(tokens), mesh=be.mesh, kv_axis=be.kv_axis, layout=layout)
         first, cache = prefill(model, tokens[:n], cache, backend=be)
         rows = [first[-1]]
         bar.update(1)

@@ -275,10 +275,18 @@ class Decoder:
         self._length = length
         device = dataclasses.replace(cache, length=jnp.asarray(cache.length))
         leaves, self._cache_def = jax.tree.flatten(device)
-        # Committed where they lie (no copy): a program compiles for whether its inputs are
-        # committed, and its outputs are when they are, so a cache assigned from elsewhere
-        # (e.g. by `device_put`) would otherwise cost two more compiles of the step.
-        self._leaves = [jax.device_put(x, x.sharding) for x in leaves]
+        if self.backend.mesh is None:
+            # On one device, committed where they lie (no copy): a program compiles for
+            # whether its inputs are committed, and its outputs are when they are, so a cache
+            # assigned from elsewhere (e.g. by `device_put`) would cost two more compiles.
+            # (On a mesh the length, made here on one device, must stay uncommitted.)
+            arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+            placed = jax.device_put(
+                [leaves[i] for i in arrays], [leaves[i].sharding for i in arrays]
+            )
+            for i, x in zip(arrays, placed, strict=True):
+                leaves[i] = x
+        self._leaves = leaves
 
     @property
     def cache(self) -> Cache:

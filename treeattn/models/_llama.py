@@ -233,7 +233,8 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "keep vocab"] | tuple[Float[Array, "keep vocab"], Cache]:
         """Logits of every position; with `cache`, the tokens follow the cached ones and the
-        updated cache is returned too.
+        updated cache is returned too (decoding: `backend` defaults to the model's for
+        decoding, `AttentionBackend.decoding`).
 
         `segment_ids` (integer `[seq]`, without a cache) packs several documents into one row,
         each contiguous: a token attends only to the earlier tokens of its own document, and
@@ -277,6 +278,9 @@ class Transformer(eqx.Module):
         be = None if backend is None else AttentionBackend.of(backend)
         length = None
         if cache is not None:
+            # A call with a cache decodes: on the backend for decoding, whose layout
+            # `init_cache` gives the cache.
+            be = self.backend.decoding if be is None else be
             if cache.layers != self.config.num_hidden_layers:
                 raise ValueError(
                     f"Transformer: the cache holds {cache.layers} layers, the model has "
