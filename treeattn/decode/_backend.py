@@ -132,12 +132,12 @@ class AttentionBackend:
 
     @property
     def decoding(self) -> AttentionBackend:
-        """The backend that decoding (`Decoder`, `prefill`, `decode_step`, `generate`) runs
-        for a model on this one: `"energy"` on one device becomes `"flash"`, whose `"auto"`
-        kernel computes the same attention fused where a kernel serves the energy (softmax,
-        on every platform), and through the energy kernel otherwise; any other backend is kept.
-        The gradient of the free energy materialises every logit of a step, where a fused
-        kernel streams the cache once."""
+        """The backend that decoding (`Decoder`, `prefill`, `decode_step`, `generate`, a model
+        call with a cache) runs for a model on this one: `"energy"` on one device becomes
+        `"flash"`, whose `"auto"` kernel computes the same attention fused where a kernel
+        serves the energy (softmax, on every platform), and through the energy kernel
+        otherwise; any other backend is kept. The gradient of the free energy materialises
+        every logit of a step, where a fused kernel streams the cache once."""
         if self.mesh is None and self.kernel == "energy":
             return AttentionBackend("flash")
         return self

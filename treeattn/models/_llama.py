@@ -173,7 +173,8 @@ class Transformer(eqx.Module):
         del kw["self"]
         kw["dtype"] = dtype or self.embed_tokens.weight.dtype
         attn = self.block(0).self_attn
-        if layout is None and not (linear_state is not False and attn.uses_linear_state):
+        linear = attn.uses_linear_state and linear_state is not False  # no layout to choose
+        if layout is None and not linear:
             kw["layout"] = attn.cache_layout(kw["dtype"], backend=self.backend.decoding)
         return attn.init_cache(**kw)
 
