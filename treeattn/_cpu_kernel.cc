@@ -54,6 +54,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 512;  // keys per block (a smaller block costs more per key)
+// Vectors per step of the softmax's passes over a block's logits (timed alone in L1 with 8
+// rows of 512 float32 logits: 0.86x the time of one vector per step).
+constexpr int kUnroll = 4;
 // Keys and values are prefetched this many slots ahead of the loads: the hardware prefetcher
 // alone keeps too few lines in flight for the short rows of a head (a key of 64 bfloat16 is
 // two cache lines) to stream at memory speed.
@@ -206,8 +209,31 @@ inline void sum4(const vf32 (&x)[4], float* out) {
 
 // exp(x) for x <= 0 (logits minus their running max): Cephes' single-precision polynomial
 // after a reduction by powers of 2 (relative error ~1e-7). Exactly 0 below -87.3 (and at
-// -inf, a masked logit), exactly 1 at 0, NaN for NaN.
+// -inf, a masked logit), exactly 1 at 0, NaN for NaN. With AVX-512 the reduction rounds by
+// one instruction and 2^n is one scaling by n with the zeros masked in (14 vector operations,
+// 23 in the portable form): the softmax of a block took 0.67x the time (alone, in L1).
 inline vf32 exp_nonpositive(vf32 x) {
+#if defined(__AVX512F__)
+  __m512 v;
+  std::memcpy(&v, &x, sizeof v);
+  // Lanes kept: x >= -87.3, or NaN (which stays NaN).
+  const __mmask16 kept = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 e = _mm512_maskz_scalef_ps(kept, y, n);
+  vf32 out;
+  std::memcpy(&out, &e, sizeof out);
+  return out;
+#else
   const vi32 tiny = x < splat(-87.3f);
   const vf32 xc = select(tiny, splat(-87.3f), x);
   const vf32 t = xc * splat(1.44269504088896341f) + splat(0.5f);
@@ -224,6 +250,7 @@ inline vf32 exp_nonpositive(vf32 x) {
   y = y * r * r + r + splat(1.0f);
   const vi32 scale = (__builtin_convertvector(fx, vi32) + 127) << 23;  // 2^fx
   return select(tiny, splat(0.0f), y * as_float(scale));
+#endif
 }
 
 // Scalar fallbacks for head dims that are not a multiple of kLanes.
@@ -836,19 +863,24 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s.data() + r * kBlock;
       std::fill(sr + n, sr + padded, kNegInf);
-      vf32 vmax = splat(kNegInf);
+      // Four vectors per step into four maxima: one running max would wait on its own
+      // compare and select every vector.
+      vf32 vmax[kUnroll];
+      for (int u = 0; u < kUnroll; ++u) vmax[u] = splat(kNegInf);
       vi32 nan = vi32{};
-      for (int64_t i = 0; i < padded; i += kLanes) {
-        const vf32 x = vload(sr + i);
-        // A NaN logit (a NaN query or key the row sees) is recorded, so the row reads NaN
-        // rather than "saw no key"; the max itself ignores it.
-        nan |= x != x;
-        vmax = select(x > vmax, x, vmax);
+      for (int64_t i = 0; i < padded; i += kLanes * kUnroll) {
+        for (int u = 0; u < kUnroll && i + u * kLanes < padded; ++u) {
+          const vf32 x = vload(sr + i + u * kLanes);
+          // A NaN logit (a NaN query or key the row sees) is recorded, so the row reads NaN
+          // rather than "saw no key"; the max itself ignores it.
+          nan |= x != x;
+          vmax[u] = select(x > vmax[u], x, vmax[u]);
+        }
       }
       float block_max = kNegInf;
       bool has_nan = false;
       for (int i = 0; i < kLanes; ++i) {
-        block_max = std::max(block_max, vmax[i]);
+        for (int u = 0; u < kUnroll; ++u) block_max = std::max(block_max, vmax[u][i]);
         has_nan |= nan[i] != 0;
       }
       if (has_nan) nan_row[r] = 1;
@@ -865,16 +897,20 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
         l[r] *= alpha;
         m[r] = m_new;
       }
-      vf32 total = splat(0.0f);
+      // Four vectors per step, each exp a chain of dependent operations the core overlaps.
+      vf32 total[kUnroll] = {};
       vi32 zeros = vi32{};  // -1 per weight that is 0 (masked, or underflowed)
       const vf32 shift = splat(m_new);
-      for (int64_t i = 0; i < padded; i += kLanes) {
-        const vf32 p = exp_nonpositive(vload(sr + i) - shift);
-        vstore(sr + i, p);
-        total += p;
-        zeros += p == splat(0.0f);
+      for (int64_t i = 0; i < padded; i += kLanes * kUnroll) {
+        for (int u = 0; u < kUnroll && i + u * kLanes < padded; ++u) {
+          const vf32 p = exp_nonpositive(vload(sr + i + u * kLanes) - shift);
+          vstore(sr + i + u * kLanes, p);
+          total[u] += p;
+          zeros += p == splat(0.0f);
+        }
       }
-      l[r] += hsum(total);
+      for (int u = 1; u < kUnroll; ++u) total[0] += total[u];
+      l[r] += hsum(total[0]);
       int64_t zero = 0;
       for (int i = 0; i < kLanes; ++i) zero -= zeros[i];
       has_zero[r] = zero > padded - n;  // the padding past n is 0 by construction
