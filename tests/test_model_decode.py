@@ -104,6 +104,19 @@ def test_decoding_runs_the_energy_backend_on_the_fused_kernel():
     assert sharded.decoding is sharded
 
 
+@pytest.mark.parametrize("batch", [None, 8], ids=["one", "batch8"])
+def test_a_decode_step_evaluates_its_rotary_angles_once(batch):
+    """Every layer turns its queries and keys by the angles of the step's positions: the
+    compiled step evaluates cos and sin once for all layers and heads. (Fused into each
+    rotation, XLA:CPU evaluated them once per rotated element of every layer.)"""
+    if jax.default_backend() != "cpu":
+        pytest.skip("a property of XLA:CPU's fusion")
+    text = model_of().decoder(max_len=MAX_LEN, batch=batch).compiled_step().as_text()
+    assert CONFIG.num_hidden_layers > 1
+    assert len(re.findall(r" cosine\(", text)) == 1
+    assert len(re.findall(r" sine\(", text)) == 1
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_model_as_constructed_decodes_on_the_fused_kernel(dtype):
     """A model on its default backend (`"energy"`), decoded as documented (`model.decoder`,

@@ -234,7 +234,10 @@ class MultiheadAttention(eqx.Module):
             k_pos = q_pos = positions_in_segments(segment_ids)
             packed = segment_ids[None]
         if self.rotary is not None:
-            q, k = self.rotary(q, q_pos), self.rotary(k, k_pos)
+            # Self-attention's queries and keys sit at the same positions: one set of angles.
+            q_angles = self.rotary.angles(q_pos)
+            k_angles = q_angles if kv_seq == q_seq else self.rotary.angles(k_pos)
+            q, k = self.rotary.rotate(q, q_angles), self.rotary.rotate(k, k_angles)
         return q, k, v, heads_dtype, q_offset, packed
 
     def received_attention(self, x: Float[Array, "seq size"]) -> Float[Array, "seq kv_heads"]:
