@@ -714,18 +714,6 @@ inline std::pair<int64_t, int64_t> read_slots(const Dims& d, int64_t offset, int
   return {first, end};
 }
 
-// Prefetches every cache line of the slots [first, end) of (batch row b, kv head h) in K or V
-// (row width w).
-template <typename T>
-inline void prefetch_lines(const T* x, const Dims& d, int64_t b, int64_t h, int64_t first,
-                           int64_t end, int64_t w) {
-  const int64_t row_bytes = w * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = first; i < end; ++i) {
-    const char* row = reinterpret_cast<const char*>(x + d.kv_offset(b, h, i, w));
-    for (int64_t off = 0; off < row_bytes; off += 64) prefetch_row(row + off, row_bytes);
-  }
-}
-
 // One (batch row, kv head), over split `split` of `splits` equal ranges of the keys it reads:
 // rows r = j * q_seq + t for head h * group + j, query t.
 template <typename T>
@@ -809,16 +797,6 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
   const int64_t lo = std::min(slots, first + split * per), hi = std::min(slots, lo + per);
   const int32_t* pos_b = d.has_pos ? kv_pos + b * d.kv_seq : nullptr;
   const int64_t ks = d.kv_stride(d.qk), vs = d.kv_stride(d.dv);
-  // The passes prefetch kAhead rows ahead of their reads, past a block's end too, so every
-  // block but the first starts warm. The first block's first kAhead keys and all its values
-  // (read after its logits and softmax) are requested here at once: a short row (a batch's
-  // rows at a short context, a few hundred keys each) otherwise waits on its first keys and
-  // on its values in turn. A decode step of 12 x 256 fp32 at batch 8 and 128 cached tokens:
-  // 1.59x its floor against 1.75x (median of 4 runs of 21 rounds, alternating with the code
-  // before); one row at 32K (6 x 256 fp32): 1.51x against 1.49x, unchanged.
-  const int64_t head = std::min(hi, lo + kBlock);
-  prefetch_lines(k, d, b, h, lo, std::min(head, lo + kAhead), d.qk);
-  prefetch_lines(v, d, b, h, lo, head, d.dv);
   for (int64_t start = lo; start < hi; start += kBlock) {
     const int64_t n = std::min(kBlock, hi - start);
     const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
