@@ -386,7 +386,7 @@ class RotaryEmbedding(eqx.Module):
         x: Float[Array, "seq heads dim"],
         angles: tuple[Float[Array, "seq dim"], Float[Array, "seq dim"]],
     ) -> Float[Array, "seq heads dim"]:
-        """`x` turned by `angles` (from `angles(positions)`), in `x`'s dtype: the pairs
+        r"""`x` turned by `angles` (from `angles(positions)`), in `x`'s dtype: the pairs
         $(x_1, x_2) \to (x_1 c - x_2 s, x_2 c + x_1 s)$, as $x c + (-x_2, x_1) s$."""
         cos, sin = (a[:, None, :] for a in angles)
         h = x.astype(jnp.float32)
