@@ -319,6 +319,40 @@ def test_a_decoder_given_a_cache_from_elsewhere_does_not_recompile():
     assert int(decoder.length) == 8
 
 
+def test_a_mesh_decoder_given_its_cache_back_does_not_recompile():
+    """On a mesh too: the cache read back (its length through the host) or changed on the
+    mesh and assigned again is stepped by the programs compiled already, and a host copy of
+    it by the same step program (only its placement on the mesh compiles)."""
+    model = small_model()
+    decoder = model.decoder(max_len=32, backend=tree(2))
+    decoder.prefill(jnp.arange(4))
+    decoder.step(jnp.asarray(3))
+    want = decoder.step(jnp.asarray(1))
+    decoder.cache = jax.tree.map(lambda x: x[...] if x.ndim >= 3 else x, decoder.cache)
+    decoder.reset()
+    decoder.prefill(jnp.arange(4))
+    decoder.step(jnp.asarray(3))
+    changed = jax.tree.map(lambda x: x + 0 if x.ndim >= 3 else x, decoder.cache)
+    with compilations() as compiles:
+        decoder.cache = decoder.cache
+        got = decoder.step(jnp.asarray(1))
+        decoder.cache = changed
+        decoder.step(jnp.asarray(2))
+        jax.block_until_ready(decoder.cache)
+    assert compiles == []
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    host = jax.tree.map(lambda x: np.asarray(x) if x.ndim >= 3 else x, decoder.cache)
+    with compilations() as compiles:
+        decoder.cache = host
+        jax.block_until_ready(decoder.cache)
+    placing = len(compiles)
+    with compilations() as compiles:
+        decoder.step(jnp.asarray(4))
+        jax.block_until_ready(decoder.cache)
+    assert compiles == [], placing
+    assert decoder.length == 7  # 4 + 1, back to 5 with `changed`, then 2 steps
+
+
 @pytest.mark.parametrize("where", ["tree-2", "linear-state"])
 def test_a_decoder_holds_every_kind_of_cache(where):
     """A `Decoder` on a sharded cache (its length made on one device must not be pinned there

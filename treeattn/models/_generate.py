@@ -267,32 +267,41 @@ class Decoder:
         self.max_len = cache.max_len
         self._set(cache)
 
-    def _set(self, cache: Cache) -> None:
+    def _set(self, cache: Cache, like: list | None = None) -> None:
         """Hold `cache` as the programs take it: a flat list of device arrays (its length among
-        them), and the length apart, on the host."""
+        them), and the length apart, on the host. With `like` (the decoder's leaves, of the
+        same structure), each array goes where its counterpart lies."""
         length = held(cache)
         assert length is not None
         self._length = length
-        device = dataclasses.replace(cache, length=jnp.asarray(cache.length))
-        leaves, self._cache_def = jax.tree.flatten(device)
-        if self.backend.mesh is None:
-            # On one device, committed where they lie (no copy): a program compiles for
-            # whether its inputs are committed, and its outputs are when they are, so a cache
-            # assigned from elsewhere (e.g. by `device_put`) would cost two more compiles.
-            # (On a mesh the length, made here on one device, must stay uncommitted.)
-            arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-            placed = jax.device_put(
-                [leaves[i] for i in arrays], [leaves[i].sharding for i in arrays]
+        mesh = self.backend.mesh
+        if mesh is None:
+            device_length = jnp.asarray(cache.length)
+        else:  # as the programs return it: replicated over the mesh, not on one device
+            device_length = jax.device_put(
+                np.asarray(cache.length), NamedSharding(mesh, PartitionSpec())
             )
-            for i, x in zip(arrays, placed, strict=True):
-                leaves[i] = x
+        device = dataclasses.replace(cache, length=device_length)
+        leaves, self._cache_def = jax.tree.flatten(device)
+        # Committed where the programs take them (no copy where they already lie): a program
+        # compiles for its inputs' placement, and its outputs are committed, so a cache
+        # assigned from elsewhere (by `device_put`, from the host, read back from `cache`)
+        # would otherwise cost more compiles.
+        where = leaves if like is None else like
+        arrays = [i for i, x in enumerate(where) if isinstance(x, jax.Array)]
+        targets = [where[i].sharding for i in arrays]
+        placed = jax.device_put([leaves[i] for i in arrays], targets)
+        for i, x in zip(arrays, placed, strict=True):
+            leaves[i] = x
         self._leaves = leaves
 
     @property
     def cache(self) -> Cache:
         """The cache as it stands (its length on the host). Assign a cache of the same
         structure, shapes and dtypes (e.g. one filled elsewhere, or this one read back) to
-        continue from it; its buffers are then the decoder's (donated to its next call)."""
+        continue from it: its arrays are placed where the decoder's lie (no copy where they
+        lie already, so the compiled programs serve it) and are then the decoder's (donated
+        to its next call)."""
         return on_host(jax.tree.unflatten(self._cache_def, self._leaves), self._length)
 
     @cache.setter
@@ -313,7 +322,7 @@ class Decoder:
                 f"Decoder.cache: the cache's length must be concrete and at most "
                 f"max_len={self.max_len}, got {cache.length}"
             )
-        self._set(on_host(cache, length))
+        self._set(on_host(cache, length), like=self._leaves)
 
     @property
     def length(self) -> int | np.ndarray:
