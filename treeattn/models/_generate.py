@@ -287,8 +287,15 @@ class Decoder:
         # compiles for its inputs' placement, and its outputs are committed, so a cache
         # assigned from elsewhere (by `device_put`, from the host, read back from `cache`)
         # would otherwise cost more compiles.
+        # On a mesh, only what lies over its devices (a linear state made on one device stays
+        # uncommitted: committed there, it would clash with the mesh's weights).
         where = leaves if like is None else like
-        arrays = [i for i, x in enumerate(where) if isinstance(x, jax.Array)]
+        devices = None if mesh is None else set(mesh.devices.flat)
+        arrays = [
+            i
+            for i, x in enumerate(where)
+            if isinstance(x, jax.Array) and (devices is None or x.sharding.device_set == devices)
+        ]
         targets = [where[i].sharding for i in arrays]
         placed = jax.device_put([leaves[i] for i in arrays], targets)
         for i, x in zip(arrays, placed, strict=True):
