@@ -115,8 +115,7 @@ class Prepared:
         if mesh is None:
             return self.leaves
         if mesh not in self._placed:
-            replicated = NamedSharding(mesh, PartitionSpec())
-            self._placed[mesh] = jax.device_put(self.leaves, replicated)
+            self._placed[mesh] = jax.device_put(self.leaves, _replicated(mesh))
         return self._placed[mesh]
 
     def combine(self, leaves) -> Transformer:
@@ -150,6 +149,12 @@ def prepared(model: Transformer | Prepared, packed: bool | None = None) -> Prepa
     result = Prepared(model, choice)
     _PREPARED[key] = (weakref.ref(model, lambda _: _PREPARED.pop(key, None)), result)
     return result
+
+
+def _replicated(mesh) -> NamedSharding:
+    """Every device of `mesh` holds the whole array: how the programs take the weights and
+    return a cache's length."""
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _tracing(model) -> bool:
@@ -277,18 +282,16 @@ class Decoder:
         mesh = self.backend.mesh
         if mesh is None:
             device_length = jnp.asarray(cache.length)
-        else:  # as the programs return it: replicated over the mesh, not on one device
-            device_length = jax.device_put(
-                np.asarray(cache.length), NamedSharding(mesh, PartitionSpec())
-            )
+        else:  # as the programs return it, not on one device
+            device_length = jax.device_put(np.asarray(cache.length), _replicated(mesh))
         device = dataclasses.replace(cache, length=device_length)
         leaves, self._cache_def = jax.tree.flatten(device)
         # Committed where the programs take them (no copy where they already lie): a program
         # compiles for its inputs' placement, and its outputs are committed, so a cache
         # assigned from elsewhere (by `device_put`, from the host, read back from `cache`)
-        # would otherwise cost more compiles.
-        # On a mesh, only what lies over its devices (a linear state made on one device stays
-        # uncommitted: committed there, it would clash with the mesh's weights).
+        # would otherwise cost more compiles. On a mesh, only what lies over its devices: a
+        # linear state made on one device stays uncommitted (committed there, it would clash
+        # with the mesh's weights).
         where = leaves if like is None else like
         devices = None if mesh is None else set(mesh.devices.flat)
         arrays = [
