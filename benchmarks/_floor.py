@@ -308,6 +308,54 @@ def spread(values) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def host_split(decoder, token, floor: Floor, rounds: int) -> dict:
+    """A step split in two, from a profiler trace of `rounds` more rounds (a floor read, then a
+    step): the host's part, from the call to the start of its compiled program (flattening the
+    arguments, donating the cache, launching), and the rest of the step (the program, until
+    its logits are ready), each against the floor read in its round. Empty where the trace
+    does not name them (the event names of jax 0.10)."""
+    import glob
+    import gzip
+    import json
+
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no Python frames: the host's part as untraced as can be
+    floors, steps = [], []
+    with tempfile.TemporaryDirectory() as log:
+        with jax.profiler.trace(log, profiler_options=options):
+            for _ in range(rounds):
+                floors.append(min(floor.read().values()))
+                start = time.perf_counter()
+                jax.block_until_ready(decoder.step(token))
+                steps.append(time.perf_counter() - start)
+        files = glob.glob(f"{log}/**/*.trace.json.gz", recursive=True)
+        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    spans = [e for e in events if e.get("ph") == "X"]
+    # The step's program is `Decoder`'s jitted `run`; the floor's reads are other programs.
+    calls = sorted(e["ts"] for e in spans if e["name"] == "PjitFunction(run)")
+    starts = sorted(e["ts"] for e in spans if e["name"] == "ThunkExecutor::Execute")
+    host, last = [], -np.inf
+    for t in calls:
+        if t <= last:
+            continue  # the same call's nested span
+        first = next((s for s in starts if s >= t), None)
+        if first is None:
+            break
+        host.append((first - t) * 1e-6)
+        last = first
+    if len(host) != rounds:
+        return {}
+    rest = [(s - h) / f for s, h, f in zip(steps, host, floors, strict=True)]
+    return {
+        "host_s": statistics.median(host),
+        "host_over_floor": statistics.median([h / f for h, f in zip(host, floors, strict=True)]),
+        "program_ratio": statistics.median(rest),
+        "program_ratio_iqr": spread(rest),
+    }
+
+
 def run_cell(cell: Cell, args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -397,6 +445,9 @@ def run_cell(cell: Cell, args) -> dict:
         row["energy_over_step"] = statistics.median(over)
         row["energy_over_step_iqr"] = spread(over)
     del arrays, energy
+    if args.host:
+        at_context(decoder, cell)
+        row |= host_split(decoder, token, floor, rounds)
     if args.hf and cell.dtype == "float32":
         row |= against_transformers(model, decoder, cell, args, new)
     del decoder, floor
@@ -749,6 +800,31 @@ def report(rows) -> None:
             f"{min(energy):.2f}-{max(energy):.2f}x the time, "
             f"median {statistics.median(energy):.2f}x"
         )
+    split = [r for r in done if "program_ratio" in r]
+    if split:
+        print(
+            "\nthe step split, in more rounds traced by the profiler: the host's part, from the "
+            "call to the start of the compiled program, and the rest (the program, until its "
+            "logits are ready), each over the round's floor"
+        )
+        header = (
+            f"{'cell':<46} {'step/floor':>10} {'host':>8} {'host/floor':>10} "
+            f"{'rest/floor':>10} {'IQR':>11}"
+        )
+        print(header + "\n" + "-" * len(header))
+        for r in split:
+            lo, hi = r["program_ratio_iqr"]
+            print(
+                f"{r['cell']:<46} {r['ratio']:>9.2f}x {r['host_s'] * 1e3:>6.2f}ms "
+                f"{r['host_over_floor']:>9.2f}x {r['program_ratio']:>9.2f}x {lo:>5.2f}-{hi:<5.2f}"
+            )
+        for (dtype, batch), target in TARGETS.items():
+            sel = [r["program_ratio"] for r in split if (r["dtype"], r["batch"]) == (dtype, batch)]
+            if sel:
+                print(
+                    f"{dtype:<9} batch {batch}: the rest alone, worst {max(sel):.2f}x, "
+                    f"median {statistics.median(sel):.2f}x (the step's target: {target}x)"
+                )
     if done:
         every = [r["ratio"] for r in done]
         print(f"all cells: worst {max(every):.2f}x, median {statistics.median(every):.2f}x")

@@ -9,6 +9,8 @@
     python benchmarks/generate.py --mode floor --cells 0 5        # some cells of the grid
     python benchmarks/generate.py --mode floor --products   # + the few-row products against
                                                             # XLA's own, for each weight shape
+    python benchmarks/generate.py --mode floor --host       # + each step split into the
+                                                            # host's call and its program
     python benchmarks/generate.py --quick          # both modes at tiny sizes, seconds
 
 **throughput**: prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once
@@ -32,6 +34,9 @@ the fp32 cells, `--new` greedy steps of ours and of transformers (eager; `--stat
 cache under `torch.compile`) from the same filled cache, with identical tokens checked.
 The per-layer fixed cost (30 layers of hidden 64 against one) and the real SmolLM2-135M
 checkpoint stepped through `decode_step` and a `Decoder` follow the grid.
+`--host` traces more rounds with the profiler (no Python frames) and splits each step into
+the host's part, from the call to the start of the compiled program (flattening the weights,
+donating the cache, launching), and the program itself, each over its round's floor.
 """
 
 from __future__ import annotations
@@ -80,6 +85,12 @@ def main() -> None:
         action="store_true",
         help="floor: also time each cell's step decoding through the gradient of the free "
         "energy (backend='energy'), in the same rounds",
+    )
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="floor: also split each cell's step into the host's call and its compiled program "
+        "(a profiler trace of more rounds)",
     )
     parser.add_argument(
         "--products",
