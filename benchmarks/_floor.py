@@ -312,8 +312,8 @@ def host_split(decoder, token, floor: Floor, rounds: int) -> dict:
     """A step split in two, from a profiler trace of `rounds` more rounds (a floor read, then a
     step): the host's part, from the call to the start of its compiled program (flattening the
     arguments, donating the cache, launching), and the rest of the step (the program, until
-    its logits are ready), each against the floor read in its round. Empty where the trace
-    does not name them (the event names of jax 0.10)."""
+    its logits are ready), each against the floor read in its round; `host_skipped` where the
+    trace does not name them (the event names of jax 0.8 and 0.10)."""
     import glob
     import gzip
     import json
@@ -331,7 +331,10 @@ def host_split(decoder, token, floor: Floor, rounds: int) -> dict:
                 jax.block_until_ready(decoder.step(token))
                 steps.append(time.perf_counter() - start)
         files = glob.glob(f"{log}/**/*.trace.json.gz", recursive=True)
-        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+        events = []
+        if files:
+            with gzip.open(files[0]) as trace:
+                events = json.load(trace)["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X"]
     # The step's program is `Decoder`'s jitted `run`; the floor's reads are other programs.
     calls = sorted(e["ts"] for e in spans if e["name"] == "PjitFunction(run)")
@@ -346,13 +349,13 @@ def host_split(decoder, token, floor: Floor, rounds: int) -> dict:
         host.append((first - t) * 1e-6)
         last = first
     if len(host) != rounds:
-        return {}
+        return {"host_skipped": f"{len(host)} of {rounds} steps found in the profiler's trace"}
     rest = [(s - h) / f for s, h, f in zip(steps, host, floors, strict=True)]
     return {
         "host_s": statistics.median(host),
         "host_over_floor": statistics.median([h / f for h, f in zip(host, floors, strict=True)]),
-        "program_ratio": statistics.median(rest),
-        "program_ratio_iqr": spread(rest),
+        "rest_ratio": statistics.median(rest),
+        "rest_ratio_iqr": spread(rest),
     }
 
 
@@ -800,7 +803,7 @@ def report(rows) -> None:
             f"{min(energy):.2f}-{max(energy):.2f}x the time, "
             f"median {statistics.median(energy):.2f}x"
         )
-    split = [r for r in done if "program_ratio" in r]
+    split = [r for r in done if "rest_ratio" in r]
     if split:
         print(
             "\nthe step split, in more rounds traced by the profiler: the host's part, from the "
@@ -813,18 +816,21 @@ def report(rows) -> None:
         )
         print(header + "\n" + "-" * len(header))
         for r in split:
-            lo, hi = r["program_ratio_iqr"]
+            lo, hi = r["rest_ratio_iqr"]
             print(
                 f"{r['cell']:<46} {r['ratio']:>9.2f}x {r['host_s'] * 1e3:>6.2f}ms "
-                f"{r['host_over_floor']:>9.2f}x {r['program_ratio']:>9.2f}x {lo:>5.2f}-{hi:<5.2f}"
+                f"{r['host_over_floor']:>9.2f}x {r['rest_ratio']:>9.2f}x {lo:>5.2f}-{hi:<5.2f}"
             )
         for (dtype, batch), target in TARGETS.items():
-            sel = [r["program_ratio"] for r in split if (r["dtype"], r["batch"]) == (dtype, batch)]
+            sel = [r["rest_ratio"] for r in split if (r["dtype"], r["batch"]) == (dtype, batch)]
             if sel:
                 print(
                     f"{dtype:<9} batch {batch}: the rest alone, worst {max(sel):.2f}x, "
                     f"median {statistics.median(sel):.2f}x (the step's target: {target}x)"
                 )
+    for r in done:
+        if "host_skipped" in r:
+            print(f"{r['cell']:<46} step not split: {r['host_skipped']}")
     if done:
         every = [r["ratio"] for r in done]
         print(f"all cells: worst {max(every):.2f}x, median {statistics.median(every):.2f}x")

@@ -10,7 +10,7 @@
     python benchmarks/generate.py --mode floor --products   # + the few-row products against
                                                             # XLA's own, for each weight shape
     python benchmarks/generate.py --mode floor --host       # + each step split into the
-                                                            # host's call and its program
+                                                            # host's call and the rest
     python benchmarks/generate.py --quick          # both modes at tiny sizes, seconds
 
 **throughput**: prompt 512 tokens, 128 new tokens, greedy. Our `generate` is compiled once
@@ -36,7 +36,8 @@ The per-layer fixed cost (30 layers of hidden 64 against one) and the real SmolL
 checkpoint stepped through `decode_step` and a `Decoder` follow the grid.
 `--host` traces more rounds with the profiler (no Python frames) and splits each step into
 the host's part, from the call to the start of the compiled program (flattening the weights,
-donating the cache, launching), and the program itself, each over its round's floor.
+donating the cache, launching), and the rest (the program, until its logits are ready), each
+over its round's floor.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def main() -> None:
     parser.add_argument(
         "--host",
         action="store_true",
-        help="floor: also split each cell's step into the host's call and its compiled program "
-        "(a profiler trace of more rounds)",
+        help="floor: also split each cell's step into the host's call and the rest (a profiler "
+        "trace of more rounds)",
     )
     parser.add_argument(
         "--products",
