@@ -15,9 +15,9 @@
 // rows, the kTile dot products reduced together) and 4 keys at a time for the others (each Q
 // vector also loaded once for the keys, the 4 * kTile dot products reduced together; keys of
 // 32 on AVX-512 by lanes, the 128-bit lanes of the 4 keys transposed so that no sum is reduced
-// across a whole vector; float32 keys of 32 for 8 rows at a time by rows: the rows of a tile
-// in the lanes, each key element broadcast), and the values as kTile rows x NV vectors of accumulators held in
-// registers across the keys of a block. With more rows than a tile, the tiles take turns over
+// across a whole vector; float32 keys of 32 for 8 rows at a time by rows: the rows in the
+// lanes, each key element broadcast), and the values as kTile rows x NV vectors of
+// accumulators held in registers across the keys of a block. With more rows than a tile, the tiles take turns over
 // sub-blocks of a few KB, so the stream from memory runs through every tile's arithmetic.
 // bfloat16 is widened as it is loaded, but with AVX512-BF16 the logits of keys of 32 and 64
 // take the CPU's bfloat16 dot products 4 keys at a time, and values of a multiple of 32 with
