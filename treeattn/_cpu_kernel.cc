@@ -17,8 +17,9 @@
 // 32 on AVX-512 by lanes, the 128-bit lanes of the 4 keys transposed so that no sum is reduced
 // across a whole vector; float32 keys of 32 for 8 rows at a time by rows: the rows in the
 // lanes, each key element broadcast), and the values as kTile rows x NV vectors of
-// accumulators held in registers across the keys of a block. With more rows than a tile, the tiles take turns over
-// sub-blocks of a few KB, so the stream from memory runs through every tile's arithmetic.
+// accumulators held in registers across the keys of a block. With more rows than a tile, the
+// tiles take turns over sub-blocks of a few KB, so the stream from memory runs through every
+// tile's arithmetic.
 // bfloat16 is widened as it is loaded, but with AVX512-BF16 the logits of keys of 32 and 64
 // take the CPU's bfloat16 dot products 4 keys at a time, and values of a multiple of 32 with
 // bfloat16 weights 2 keys at a time where no weight of the row tile is 0. A value row is read
@@ -396,8 +397,8 @@ inline void dots_by_lanes(const T* __restrict qx, const T* __restrict k, int64_t
 // then transposed into the rows of s (24 shuffles for 64 logits). 32 half-width multiply-adds
 // per key, where `dots_by_lanes` adds 8 shuffles per key and the reductions. Timed alone in L1
 // (8 rows, 512 keys): 19 cycles per key against 27; one attention call at 8:1 and 32K keys,
-// warm in L3, in turns (13 rounds): 0.91x the time (median; 0.83-1.05x). From memory the keys'
-// stream, not this arithmetic, sets the call's time.
+// warm in L3, in turns (13 rounds): 0.91x the time (median; 0.83-1.05x); from memory, no
+// difference beyond the noise.
 inline void dots_by_rows(const float* __restrict qt, const float* __restrict k, int64_t ks,
                          float* __restrict s) {
   __m256 acc[8];
