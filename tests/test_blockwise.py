@@ -149,6 +149,7 @@ def test_rows_of_no_weight(name, getkey):
             modes=["rev"],
             atol=1e-5,
             rtol=1e-5,
+            eps=1e-5,  # 1e-4's second differences missed by 4e-4 for some seeds (values of 100)
         )
 
 

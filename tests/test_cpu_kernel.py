@@ -84,10 +84,10 @@ CASES = [
     (6, 1, 32, 32, jnp.bfloat16, "bshd", False),  # tiles of 4 and 2 rows
     (1, 1, 32, 96, jnp.bfloat16, "bhsd", True),  # three column tiles of 32
     (3, 1, 64, 128, jnp.bfloat16, "bhsd", True),  # two column tiles of 64 for 3 rows
-    (8, 1, 32, 32, jnp.float32, "bshd", True),  # rows by lanes (8 rows), sub-blocks, a tail
+    (8, 1, 32, 32, jnp.float32, "bshd", True),  # keys by rows (8 rows), sub-blocks, a tail
     (4, 2, 32, 32, jnp.float32, "bhsd", True),  # the same, 8 rows of two queries
     (8, 2, 32, 64, jnp.float32, "bhsd", False),  # the same, two tiles of 8 rows
-    (3, 2, 24, 20, jnp.float32, "bhsd", True),  # the same with the scalar loops
+    (3, 2, 24, 20, jnp.float32, "bhsd", True),  # tiles in turns, with the scalar loops
     (7, 1, 32, 32, jnp.float32, "bhsd", True),  # keys by lanes in tiles of 4 and 3 rows
     (2, 1, 32, 32, jnp.float32, "bshd", False),  # in one tile of 2 rows
     (5, 1, 32, 256, jnp.float32, "bhsd", True),  # sub-blocks sized by the wider value rows
@@ -186,20 +186,21 @@ def test_windows_in_tiles(window, positions):
 NAN_CASES = {
     "tile": (KV_SEQ, 1001, 1000, None),  # slot 1000 and every slot past the fill
     "split": (SPLIT_SEQ, 4601, None, 4600),  # the last of 4 splits of the keys
+    "whole-groups": (KV_SEQ, 1024, 1023, None),  # splits of whole groups of 8 keys, no tail
 }
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("where", list(NAN_CASES))
 @pytest.mark.parametrize(
-    "group, d", [(2, 64), (3, 32), (4, 32)], ids=["one-tile", "sub-blocks", "rows-by-lanes"]
+    "group, d", [(2, 64), (3, 32), (4, 32)], ids=["one-tile", "sub-blocks", "by-rows"]
 )
 def test_nan_reaches_only_the_rows_that_see_it(where, dtype, group, d):
     """Causal queries at the last two positions: a NaN key (and value) seen by the second only.
     In a tile, the first row weighs the slot 0 and must not read it; over splits of the keys,
     the merge gives the second row NaN. The first row is the attention over its keys. With 6
     rows of 32 the tiles take turns over sub-blocks and the keys go by lanes; with 8 in float32,
-    the rows go by lanes."""
+    by rows (the NaN key in a whole group of 8 with a fill of 1,024, in the tail with 1,001)."""
     kv_seq, length, from_slot, one_slot = NAN_CASES[where]
     q_seq = 2
     q, k, v = inputs(6, 1, q_seq, group, 1, d, d, dtype, kv_seq=kv_seq)
@@ -423,7 +424,7 @@ def test_products_of_a_large_weight_are_shared_by_the_threads(rows, n_in, packed
 
 
 # The tests the narrow builds run: tiles, NaN, exp, splits, products.
-EXPECTED_NARROW = len(CASES) + 12 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 4
+EXPECTED_NARROW = len(CASES) + 18 + 1 + 6 + 2 + len(PRODUCT_ROWS) * len(PRODUCT_CASES) + 4
 # -march for each target, and the registers its library must not use.
 NARROW = {"avx2": ("x86-64-v3", ("%zmm",)), "sse4": ("x86-64-v2", ("%ymm", "%zmm"))}
 

@@ -15,8 +15,8 @@
 // rows, the kTile dot products reduced together) and 4 keys at a time for the others (each Q
 // vector also loaded once for the keys, the 4 * kTile dot products reduced together; keys of
 // 32 on AVX-512 by lanes, the 128-bit lanes of the 4 keys transposed so that no sum is reduced
-// across a whole vector; float32 keys of 32 for 8 rows at a time by rows: the rows in the
-// lanes, each key element broadcast), and the values as kTile rows x NV vectors of
+// across a whole vector; float32 keys of 32, when the rows come in whole tiles of 8, by rows:
+// the rows in the lanes, each key element broadcast), and the values as kTile rows x NV vectors of
 // accumulators held in registers across the keys of a block. With more rows than a tile, the
 // tiles take turns over sub-blocks of a few KB, so the stream from memory runs through every
 // tile's arithmetic.
@@ -331,8 +331,8 @@ inline void dots_one_key(const float* __restrict q, const T* __restrict k, int64
 // dot product) per row and vector leaves each key's partial sums in its own 4 lanes; the
 // 4 rows x 4 keys are then reduced together by 3 shuffle-adds, where `dots` reduces each
 // (row, key) across 16 lanes. Keys of 32 only: timed in turns against `dots` / `dots_bf16`
-// (cold caches, 41 rounds), 0.96-0.97x the time in float32 (8 rows per kv head) and 0.85-0.98x
-// in bfloat16 (3-8 rows); bfloat16 keys of 64 took 1.04x.
+// (cold caches, 41 rounds), 0.96-0.97x the time in float32 (8 rows per kv head, which now go
+// by rows) and 0.85-0.98x in bfloat16 (3-8 rows); bfloat16 keys of 64 took 1.04x.
 // qx: per row r, vector c of the key, lane i, the E / 4 elements of that lane repeated 4 times
 // (E = 16 float32 or 32 bfloat16 elements per vector): qx[((r * C + c) * 4 + i) * E].
 template <int RT, int C, typename T>
@@ -788,18 +788,14 @@ void attend(const Dims& d, int64_t b, int64_t h, int64_t split, int64_t splits, 
 #endif
   std::vector<float> s(rows * kBlock);  // logits, then weights: s[r * kBlock + i]
 #if defined(__AVX512F__)
-  // Keys of 32 (float32, or bfloat16 by its dot products) go by lanes (dots_by_lanes).
-  const bool by_lanes = d.qk == 32 && (std::is_same_v<T, float> || bf16_dots);
+  // float32 keys of 32 with the rows in whole tiles of 8 go by rows (dots_by_rows); other keys
+  // of 32 (float32, or bfloat16 by its dot products) by lanes (dots_by_lanes).
+  const bool by_rows = std::is_same_v<T, float> && d.qk == 32 && rows % 8 == 0;
+  const bool by_lanes = d.qk == 32 && !by_rows && (std::is_same_v<T, float> || bf16_dots);
 #else
-  const bool by_lanes = false;
+  const bool by_rows = false, by_lanes = false;
 #endif
   std::vector<T> qx(by_lanes ? rows * d.qk * 4 : 0);
-#if defined(__AVX512F__)
-  // float32 keys of 32 with whole tiles of 8 rows go by rows (dots_by_rows), not by lanes.
-  const bool by_rows = std::is_same_v<T, float> && d.qk == 32 && rows % 8 == 0;
-#else
-  const bool by_rows = false;
-#endif
   std::vector<float> qt(by_rows ? rows * d.qk : 0);  // tile r0 / 8: qt[r0 * 32 + c * 8 + r]
   std::vector<int64_t> qpos(rows);
   std::vector<char> has_zero(rows);  // per row of the block: some weight is 0
