@@ -313,7 +313,7 @@ def host_split(decoder, token, floor: Floor, rounds: int) -> dict:
     step): the host's part, from the call to the start of its compiled program (flattening the
     arguments, donating the cache, launching), and the rest of the step (the program, until
     its logits are ready), each against the floor read in its round; `host_skipped` where the
-    trace does not name them (the event names of jax 0.8 and 0.10)."""
+    trace does not name them (it is read by the event names of jax 0.8 and 0.10)."""
     import glob
     import gzip
     import json

@@ -390,8 +390,8 @@ inline void dots_by_lanes(const T* __restrict qx, const T* __restrict k, int64_t
   for (int r = 0; r < RT; ++r) std::memcpy(s + r * kBlock, sums + 4 * r, 4 * sizeof(float));
 }
 
-// Rows by lanes: the logits of 8 query rows against 8 float32 keys of 32 with no sum reduced
-// across lanes. Each element of a key, broadcast from memory, multiplies that dimension of the
+// By rows: the logits of 8 query rows against 8 float32 keys of 32 with no sum reduced across
+// lanes. Each element of a key, broadcast from memory, multiplies that dimension of the
 // 8 rows (qt: the rows scaled and transposed, qt[c * 8 + r], one 8-lane vector per dimension,
 // loaded once for the 8 keys), so the keys keep their [slots, d] rows; the 8 keys x 8 rows are
 // then transposed into the rows of s (24 shuffles for 64 logits). 32 half-width multiply-adds
