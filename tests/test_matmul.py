@@ -310,6 +310,63 @@ def test_packed_rows_are_one_kernel_call(rows):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [(1,), (8,), (2, 5)])
+def test_a_layer_of_a_stack_matches_float64(rows, dtype, getkey):
+    """`PackedWeight(stack, out, i)` is layer i's weight wherever a weight is read: the C++
+    product (which reads the stack in place), XLA's product on the panels, `unpack`, rows,
+    and derivatives in `x`."""
+    x = jax.random.normal(getkey(), (*rows, 64), dtype)
+    ws = jax.random.normal(getkey(), (3, 37, 64), dtype)
+    stack = jax.vmap(PackedWeight.of)(ws).panels
+    for i in range(3):
+        w = PackedWeight(stack, 37, i)
+        assert w.shape == (37, 64) and w.dtype == dtype
+        want = np.asarray(x, np.float64) @ np.asarray(ws[i], np.float64).T
+        atol = PRODUCT_TOL[dtype] * np.abs(want).max()
+        for got in (jax.jit(matmul)(x, w), w.dot(x)):
+            assert got.shape == (*rows, 37) and got.dtype == dtype
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
+        np.testing.assert_array_equal(np.asarray(w.unpack()), np.asarray(ws[i]))
+        np.testing.assert_array_equal(np.asarray(w[jnp.array([0, 36])]), np.asarray(ws[i][::36]))
+    if dtype == jnp.float32:
+        w = PackedWeight(stack, 37, 1)
+        f = lambda x: jnp.sum(jnp.sin(matmul(x, w)))  # noqa: E731
+        g = jax.grad(lambda x: jnp.sum(jnp.sin(x @ ws[1].T)))(x)
+        np.testing.assert_allclose(jax.grad(f)(x), g, rtol=1e-5, atol=1e-5)
+    for panels, i in ((stack, 3), (stack, -1), (stack[0], 0)):
+        with pytest.raises(ValueError, match=rf"layer {i} of a stack of panels with a layer axis"):
+            PackedWeight(panels, 37, i)
+
+
+@needs_kernel
+def test_a_layer_of_a_stack_is_read_in_place():
+    """The C++ product takes the whole stack and the layer's index: no slice of it is made."""
+    x = jnp.ones((8, 64), jnp.float32)
+    stack = jax.vmap(PackedWeight.of)(jnp.ones((4, 128, 64), jnp.float32)).panels
+    text = jax.jit(lambda x, s: matmul(x, PackedWeight(s, 128, 2))).lower(x, stack).compile()
+    text = text.as_text()
+    assert matmul_calls(text, "treeattn_cpu_matmul_packed") == [1]
+    call = next(line for line in text.splitlines() if "treeattn_cpu_matmul_packed" in line)
+    assert "f32[4,8,64,16]" in call and "layers = dense<2>" in call  # the stack, layer 2
+    # Layers of a stack and a weight of its own in one call: each read where it lies.
+    w = jax.random.normal(jax.random.key(0), (16, 64))
+    ws = jax.random.normal(jax.random.key(1), (4, 128, 64))
+    stack = jax.vmap(PackedWeight.of)(ws).panels
+    mixed = (PackedWeight(stack, 128, 3), PackedWeight.of(w), PackedWeight(stack, 128, 0))
+    run = jax.jit(lambda x, ps: apply_linears(ps, x))
+    linears = [eqx.nn.Linear(64, p.shape[0], use_bias=False, key=jax.random.key(0)) for p in mixed]
+    linears = [eqx.tree_at(lambda m: m.weight, m, p) for m, p in zip(linears, mixed, strict=True)]
+    x = jax.random.normal(jax.random.key(2), (8, 64))
+    text = run.lower(x, linears).compile().as_text()
+    assert matmul_calls(text, "treeattn_cpu_matmul_packed") == [3]
+    for got, want in zip(run(x, linears), (ws[3], w, ws[0]), strict=True):
+        np.testing.assert_allclose(got, x @ want.T, rtol=1e-5, atol=1e-4)
+    entry = text[text.index("\nENTRY") :].splitlines()[1:]
+    made = [line for line in entry if "parameter(" not in line]
+    assert not [line for line in made if re.search(r"= f32\[(8,64,16|128,64|64,128)\]", line)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_packed_by_xla_matches_float64(dtype, getkey):
     """The product XLA computes on the panels (the jvp's, and where the C++ one is not built)."""
     x = jax.random.normal(getkey(), (5, 2, 64), dtype)

@@ -22,6 +22,7 @@ from treeattn.models import (
     LlamaConfig,
     PackedWeight,
     Transformer,
+    _generate,
     decode_step,
     generate,
     prefill,
@@ -340,34 +341,75 @@ def test_packed_weights_decode_as_the_arrays_do(dtype, tied):
         np.testing.assert_array_equal(generated[True], generated[False])
 
 
-def test_packing_a_stacked_model_holds_no_unstacked_copy(monkeypatch):
-    """A stacked model is packed layer by layer: whenever a weight is packed, the arrays alive
-    beyond the model's own are the weights packed so far and one layer's slices of the stack,
-    not an unstacked copy of every layer (a third copy of the weights at the peak)."""
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_each_layer_reads_its_own_row_of_the_stacks(stacked):
+    """With every array of every layer its own (norms and biases too, which the decoder
+    stacks, and the projections, which it packs into one stack per kind), a decoder's logits
+    are those of one causal pass over the same tokens: each layer reads its own row."""
+    config = dataclasses.replace(CONFIG, attention_bias=True, mlp_bias=True)
+    model = Transformer(config, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    model = eqx.combine(jax.tree.unflatten(tree, leaves), static)
+    if not stacked:
+        model = model.unstack_layers()
+    norms = np.stack([np.asarray(model.block(i).input_layernorm.weight) for i in range(3)])
+    assert np.ptp(norms, axis=0).min() > 0  # every layer's norm differs from the others'
+    tokens = jax.random.randint(jax.random.key(2), (7,), 0, config.vocab_size)
+    want = np.asarray(full_pass(model, tokens))
+    decoder = model.decoder(max_len=16)
+    got = [decoder.prefill(tokens[:4])] + [decoder.step(t)[None] for t in tokens[4:]]
+    got = np.concatenate([np.asarray(x) for x in got])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    if decoder.packed:  # 7 weight stacks, 7 bias stacks, 2 norm stacks, embedding, norm, head
+        assert len(decoder._prep.leaves) == 19
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_packing_holds_no_unstacked_copy(monkeypatch, stacked):
+    """A model is packed one kind of projection at a time, into one stack per kind that every
+    layer reads (`PackedWeight(stack, out, i)`): whenever a kind is packed, the arrays alive
+    beyond the model's own are the stacks packed so far and that kind's weights (stacked, for
+    layers given as a tuple), never a copy of every layer's weights (a third copy at the
+    peak). The prepared model's weights are then those stacks, each once."""
     config = dataclasses.replace(CONFIG, num_hidden_layers=6)
     model = Transformer(config, key=jax.random.key(0))
-    assert not isinstance(model.layers, tuple)
+    if not stacked:
+        model = model.unstack_layers()
 
     def nbytes(tree):
         return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
 
-    layer = nbytes(model.block(0))
+    whole = nbytes(model.layers)
     before = sum(x.nbytes for x in jax.live_arrays())
-    extra, packed_so_far = [], [0]
-    of = PackedWeight.of.__func__
+    extra, packed_so_far, kinds = [], [0], []
+    pack = _generate._stacked_panels
 
-    def recording(cls, w):
+    def recording(w):
         extra.append(sum(x.nbytes for x in jax.live_arrays()) - before - packed_so_far[0])
-        out = of(cls, w)
-        packed_so_far[0] += out.panels.nbytes
+        out = pack(w)
+        kinds.append(len(w) if isinstance(w, list) else w.shape[0])
+        packed_so_far[0] += out.nbytes
         return out
 
-    monkeypatch.setattr(PackedWeight, "of", classmethod(recording))
-    packed = prepared(model, packed=True).model
-    assert len(extra) >= 7 * config.num_hidden_layers  # every projection of every layer
-    assert isinstance(packed.layers, tuple)
-    # One layer's slices (and the weight being packed) at most; all six layers would be 6.
-    assert max(extra) <= 1.5 * layer, (max(extra), layer)
+    monkeypatch.setattr(_generate, "_stacked_panels", recording)
+    prep = prepared(model, packed=True)
+    assert len(kinds) == 7  # q, k, v, o, gate, up, down
+    assert kinds == [config.num_hidden_layers] * 7
+    assert isinstance(prep.model.layers, tuple)
+    # At most one kind's weights stacked (the largest of 7, well below half of the layers').
+    assert max(extra) <= 0.5 * whole, (max(extra), whole)
+    blocks = prep.model.layers
+    for i, block in enumerate(blocks):
+        w = block.self_attn.query_proj.weight
+        assert isinstance(w, PackedWeight) and w.layer == i
+        assert w.panels is blocks[0].self_attn.query_proj.weight.panels
+    # Each array once in the program's arguments: 7 stacks, 2 stacked norms, and the model's
+    # embedding, final norm and head.
+    assert len(prep.leaves) == 12, [x.shape for x in prep.leaves]
+    assert len({id(x) for x in prep.leaves}) == len(prep.leaves)
 
 
 def test_packing_is_a_choice_checked_once_and_not_made_inside_a_trace():

@@ -1653,14 +1653,17 @@ void matmul_packed(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
 }
 
 // x [..., in] and packed weights (float32 [panels, in, kPanel], bfloat16 [panels, in / 2,
-// kPanel, 2]) to y_j [..., out_j], panels = ceil(out_j / kPanel).
+// kPanel, 2]) to y_j [..., out_j], panels = ceil(out_j / kPanel). Where layers[j] >= 0, weight j
+// is a stack of such weights with a leading layer axis and the product reads its layer
+// layers[j] in place (one argument for every layer's weight of a kind, no slice copied).
 ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
-                        ffi::RemainingRets ys) {
+                        ffi::RemainingRets ys, ffi::Span<const int64_t> layers) {
   const auto xd = x.dimensions();
   const auto dtype = x.element_type();
-  if (xd.size() < 1 || ws.size() == 0 || ws.size() != ys.size()) {
+  if (xd.size() < 1 || ws.size() == 0 || ws.size() != ys.size() || layers.size() != ws.size()) {
     return ffi::Error::InvalidArgument(
-        "treeattn_cpu_matmul_packed: x [..., in], then packed weights, one result per weight");
+        "treeattn_cpu_matmul_packed: x [..., in], then packed weights, one result and one "
+        "layer index per weight");
   }
   if (dtype != ffi::F32 && dtype != ffi::BF16) {
     return ffi::Error::InvalidArgument(
@@ -1678,7 +1681,15 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingAr
       return ffi::Error::InvalidArgument(
           "treeattn_cpu_matmul_packed: weights and results are buffers");
     }
-    const auto wd = w->dimensions();
+    const auto all = w->dimensions();
+    const int64_t layer = layers[j];
+    const size_t lead = layer >= 0 ? 1 : 0;  // a stack's layer axis
+    if (layer < -1 || all.size() < lead || (layer >= 0 && layer >= all[0])) {
+      return ffi::Error::InvalidArgument(
+          "treeattn_cpu_matmul_packed: a weight's layer index lies outside its stack");
+    }
+    const std::vector<int64_t> wd(all.begin() + lead, all.end());
+    const int64_t per_layer = layer >= 0 ? w->element_count() / all[0] : 0;
     const auto yd = (*y)->dimensions();
     const int64_t out = yd.size() ? yd.back() : 0;
     const bool shape_ok =
@@ -1691,7 +1702,10 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingAr
           "and dtype (float32 [ceil(out / 16), in, 16], bfloat16 [ceil(out / 16), in / 2, 16, "
           "2]), its result [..., out]");
     }
-    weights.push_back({w->untyped_data(), (*y)->untyped_data(), out});
+    const auto* base = static_cast<const char*>(w->untyped_data());
+    const int64_t size = dtype == ffi::F32 ? 4 : 2;
+    weights.push_back({base + std::max<int64_t>(layer, 0) * per_layer * size,
+                       (*y)->untyped_data(), out});
   }
   if (dtype == ffi::F32) {
     matmul_packed<float>(pool, static_cast<const float*>(x.untyped_data()), rows, in, weights);
@@ -1805,7 +1819,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmulPacked, MatmulPacked,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("layers"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuWrite, Write,
                               ffi::Ffi::Bind()

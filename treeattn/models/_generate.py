@@ -45,28 +45,82 @@ if TYPE_CHECKING:
 
 def packed_weights(model: Transformer) -> Transformer:
     """`model` with every projection's weight (and a tied embedding, which the logits read as
-    a weight) a `PackedWeight`, where it can be packed; stacked layers are unstacked one
-    layer at a time, as they are packed."""
+    a weight) a `PackedWeight`, where it can be packed. The layers come out as a tuple whose
+    projections of one kind share one stack of packed weights (layer `i` reads
+    `PackedWeight(stack, out, i)`), packed one kind at a time: beside the model, the peak holds
+    the stacks packed so far (and, for layers given as a tuple, one kind's weights stacked)."""
 
-    def pack(m):
-        if isinstance(m, eqx.nn.Linear) and PackedWeight.packs(m.weight):
-            return eqx.tree_at(lambda linear: linear.weight, m, PackedWeight.of(m.weight))
+    def is_linear(m):
+        return isinstance(m, eqx.nn.Linear)
+
+    def packable(w, ndim):
+        if not isinstance(w, jax.Array) or w.ndim != ndim:
+            return False
+        return PackedWeight.packs(jax.ShapeDtypeStruct(w.shape[-2:], w.dtype))
+
+    def with_weight(m, w):
+        return eqx.tree_at(lambda linear: linear.weight, m, w)
+
+    n = model.config.num_hidden_layers
+    if isinstance(model.layers, tuple):
+        flat = [jax.tree.flatten(b, is_leaf=is_linear) for b in model.layers]
+        layers = model.layers
+        if len({f[1] for f in flat}) == 1:  # alike layers: each kind of projection stacked
+            columns = []
+            for column in zip(*(f[0] for f in flat), strict=True):
+                ws = [m.weight for m in column if is_linear(m)]
+                if (
+                    len(ws) == len(column)
+                    and all(packable(w, 2) for w in ws)
+                    and (len({(w.shape, w.dtype) for w in ws}) == 1)
+                ):
+                    panels = _stacked_panels(ws)
+                    out = ws[0].shape[0]
+                    column = [
+                        with_weight(m, PackedWeight(panels, out, i)) for i, m in enumerate(column)
+                    ]
+                columns.append(column)
+            layers = tuple(
+                jax.tree.unflatten(flat[0][1], [c[i] for c in columns]) for i in range(n)
+            )
+    else:
+        leaves, tree = jax.tree.flatten(model.layers, is_leaf=is_linear)
+        leaves = [
+            with_weight(m, PackedWeight(_stacked_panels(m.weight), m.weight.shape[1]))
+            if is_linear(m) and packable(m.weight, 3)
+            else m
+            for m in leaves
+        ]
+        stack = jax.tree.unflatten(tree, leaves)
+
+        def layer(i):
+            def take(x):
+                if isinstance(x, PackedWeight):
+                    return PackedWeight(x.panels, x.out, i)
+                return x[i] if eqx.is_array(x) else x
+
+            return jax.tree.map(take, stack, is_leaf=lambda x: isinstance(x, PackedWeight))
+
+        layers = tuple(layer(i) for i in range(n))
+    model = eqx.tree_at(lambda m: m.layers, model, layers)
+
+    def pack(m):  # the rest: the logits' head, and any projection not stacked above
+        if is_linear(m) and PackedWeight.packs(m.weight):
+            return with_weight(m, PackedWeight.of(m.weight))
         return m
 
-    def pack_all(tree):
-        return jax.tree.map(pack, tree, is_leaf=lambda m: isinstance(m, eqx.nn.Linear))
-
-    if not isinstance(model.layers, tuple):
-        # Layer by layer: a layer's slice of the stack lives only until it is packed, so the
-        # peak holds the stacked and the packed weights, not a third, unstacked copy of all.
-        n = model.config.num_hidden_layers
-        layers = tuple(pack_all(model.block(i)) for i in range(n))
-        model = eqx.tree_at(lambda m: m.layers, model, layers)
-    model = pack_all(model)
+    model = jax.tree.map(pack, model, is_leaf=is_linear)
     table = model.embed_tokens.weight
     if model.lm_head is None and PackedWeight.packs(table):
         model = eqx.tree_at(lambda m: m.embed_tokens.weight, model, PackedWeight.of(table))
     return model
+
+
+@jax.jit
+def _stacked_panels(w: Float[Array, "layers out n"] | list[Float[Array, "out n"]]) -> Array:
+    """Every layer's `w` packed: `PackedWeight.of(w[i]).panels` stacked (a list of layers'
+    weights is stacked in the same program, so the stack and the packing are one pass)."""
+    return jax.vmap(PackedWeight.of)(jnp.stack(w) if isinstance(w, list) else w).panels
 
 
 def packs_here() -> bool:
@@ -75,11 +129,14 @@ def packs_here() -> bool:
 
 
 class Prepared:
-    """A model as decoding reads it, made once per model: every layer with arrays of its own
-    (a stacked layer is copied here, once, never per step: XLA materialises a slice of a
-    stacked weight before a product reads it), on CPU its weights packed for the C++ product
-    (`PackedWeight`, unless `packed=False`), its parameters flattened once, and the compiled
-    programs that run it (their static part is closed over, so a call hashes nothing)."""
+    """A model as decoding reads it, made once per model: on CPU its weights packed for the
+    C++ product (`PackedWeight`, unless `packed=False`), every layer's projections of one
+    kind read in place from one stack (no slice: XLA materialises a slice of a stacked weight
+    before a product reads it); else every layer with arrays of its own (a stacked layer is
+    copied here, once, never per step). Its parameters are flattened once, each array once
+    (the layers' vectors, norms and biases, stacked: a program's argument costs its dispatch
+    about a microsecond), and it holds the compiled programs that run it (their static part
+    is closed over, so a call hashes nothing)."""
 
     def __init__(self, model: Transformer, packed: bool | None = None):
         if packed is None:
@@ -87,7 +144,20 @@ class Prepared:
         model = packed_weights(model) if packed else model.unstack_layers()
         self.packed = packed
         params, self.static = eqx.partition(model, eqx.is_array)
-        self.leaves, self.treedef = jax.tree.flatten(params)
+        leaves, self.treedef = jax.tree.flatten(params)
+        # The programs take each array once: a stack the layers share (packed weights) once,
+        # and the layers' vectors (norms, biases) stacked, each layer's read by a slice that
+        # XLA fuses into its reader. `_where[n]`: leaf n is `weights()[j]`, or its row `i`.
+        stacked = _stacked_vectors(model) if isinstance(model.layers, tuple) else {}
+        first: dict[int, int] = {}
+        self.leaves = []
+        self._where: list[tuple[int, int | None]] = []
+        for x in leaves:
+            x, i = stacked.get(id(x), (x, None))
+            if id(x) not in first:
+                first[id(x)] = len(self.leaves)
+                self.leaves.append(x)
+            self._where.append((first[id(x)], i))
         self.config = model.config
         self.backend = model.backend.decoding
         self.energy = model.energy
@@ -119,7 +189,28 @@ class Prepared:
         return self._placed[mesh]
 
     def combine(self, leaves) -> Transformer:
-        return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
+        """The model from `weights()` (each array once) as `run` takes them."""
+        every = [leaves[j] if i is None else leaves[j][i] for j, i in self._where]
+        return eqx.combine(jax.tree.unflatten(self.treedef, every), self.static)
+
+
+def _stacked_vectors(model: Transformer) -> dict[int, tuple[Array, int]]:
+    """For each layer's vector (a norm's weight, a bias: 1-d arrays, alike in every layer),
+    by `id`, the stack of them all and its layer."""
+    assert isinstance(model.layers, tuple)
+    blocks = [jax.tree.leaves(eqx.filter(b, eqx.is_array)) for b in model.layers]
+    out: dict[int, tuple[Array, int]] = {}
+    if len({len(b) for b in blocks}) != 1:
+        return out
+    for alike in zip(*blocks, strict=True):
+        first = alike[0]
+        if first.ndim != 1 or any(x.shape != first.shape or x.dtype != first.dtype for x in alike):
+            continue
+        if len({id(x) for x in alike}) != len(alike):
+            continue  # shared already
+        stack = jnp.stack(alike)
+        out.update({id(x): (stack, i) for i, x in enumerate(alike)})
+    return out
 
 
 _PREPARED: dict[tuple[int, bool], tuple[weakref.ref, Prepared]] = {}
@@ -207,10 +298,12 @@ class Decoder:
     on the host.
 
     Made by [`Transformer.decoder`][treeattn.models.Transformer.decoder]. Every layer reads its
-    own arrays (a model stored stacked, as constructed, loaded or trained, is copied once here,
-    never per step), on CPU laid out once in panels for treeattn's C++ product
-    ([`PackedWeight`][treeattn.models.PackedWeight]; a second copy of the weights while the
-    model object itself is alive; `packed=False` keeps the model's arrays). Every step reads
+    weights where they lie: on CPU laid out once in panels for treeattn's C++ product
+    ([`PackedWeight`][treeattn.models.PackedWeight]), one stack per kind of projection that
+    the product reads layer by layer in place (a second copy of the weights while the model
+    object itself is alive); with `packed=False` the model's matrices, a stacked model's
+    copied once per layer here, never per step (the layers' vectors, norms and biases, are
+    stacked either way). Every step reads
     each weight and each cached key and value once and writes the new token's keys and values
     in place, and the host knows the cache's length, so a step that would overflow it is
     refused before it runs and the program itself checks

@@ -33,7 +33,8 @@ def _native(x, ws):
     rows = x.reshape(-1, x.shape[-1])
     outs = [jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), x.dtype) for w in ws]
     if isinstance(ws[0], PackedWeight):
-        ys = jax.ffi.ffi_call(PACKED_TARGET, outs)(rows, *(w.panels for w in ws))
+        layers = np.array([-1 if w.layer is None else w.layer for w in ws], np.int64)
+        ys = jax.ffi.ffi_call(PACKED_TARGET, outs)(rows, *(w.panels for w in ws), layers=layers)
     else:
         ys = jax.ffi.ffi_call(MATMUL_TARGET, outs)(rows, *ws)
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws, strict=True))
@@ -64,14 +65,30 @@ class PackedWeight(eqx.Module):
     It stands in for the array wherever a layer reads its weight: `matmul`, `shape`, `dtype`,
     `astype`, and row lookup (`w[i]`, for a tied embedding).
 
+    With `layer` an int, `panels` is a stack of every layer's panels (a leading layer axis)
+    and this weight is layer `layer` of it: the decoder's layers share one stack per kind of
+    weight, which the C++ product reads in place, so a step takes one argument per kind
+    rather than one per layer and weight (each costs its dispatch about a microsecond).
+
     ```python
     w = jax.random.normal(jax.random.key(0), (2048, 768))
     y = matmul(jnp.ones((8, 768)), PackedWeight.of(w))     # == matmul(jnp.ones((8, 768)), w)
     ```
     """
 
-    panels: Float[Array, "panels ..."]
+    panels: Float[Array, "*layers panels ..."]
     out: int = eqx.field(static=True)
+    layer: int | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        if self.layer is None:
+            return
+        stack = self.panels.ndim == (5 if self.panels.dtype == jnp.bfloat16 else 4)
+        if not stack or not 0 <= self.layer < self.panels.shape[0]:
+            raise ValueError(
+                f"PackedWeight: layer {self.layer} of a stack of panels with a layer axis, got "
+                f"panels{list(self.panels.shape)}"
+            )
 
     @staticmethod
     def packs(w) -> bool:
@@ -98,6 +115,10 @@ class PackedWeight(eqx.Module):
     def _pairs(self) -> bool:  # bfloat16: inputs in pairs, a trailing axis of 2
         return self.panels.dtype == jnp.bfloat16
 
+    def _own(self) -> Float[Array, "panels ..."]:
+        """This weight's panels (its layer's, from a stack)."""
+        return self.panels if self.layer is None else self.panels[self.layer]
+
     @property
     def shape(self) -> tuple[int, int]:
         n = self.panels.shape[-3 if self._pairs else -2]
@@ -109,7 +130,7 @@ class PackedWeight(eqx.Module):
 
     def unpack(self) -> Float[Array, "out n"]:
         """The weight as an `[out, in]` array."""
-        p = self.panels
+        p = self._own()
         order = (0, 2, 1, 3) if self._pairs else (0, 2, 1)
         return p.transpose(order).reshape(-1, self.shape[1])[: self.out]
 
@@ -130,10 +151,11 @@ class PackedWeight(eqx.Module):
             raise IndexError(f"row {i} of a PackedWeight of {self.out} rows")
         i = jnp.asarray(i)
         i = jnp.clip(jnp.where(i < 0, i + self.out, i), 0, self.out - 1)
+        panels = self._own()
         if self._pairs:
-            rows = self.panels[i // PANEL, :, i % PANEL, :]
+            rows = panels[i // PANEL, :, i % PANEL, :]
         else:
-            rows = self.panels[i // PANEL, :, i % PANEL]
+            rows = panels[i // PANEL, :, i % PANEL]
         return rows.reshape(*i.shape, self.shape[1])
 
     def dot(self, x: Float[Array, "*rows n"]) -> Float[Array, "*rows out"]:
@@ -147,7 +169,7 @@ class PackedWeight(eqx.Module):
             dims = (((len(lead), len(lead) + 1), (1, 3)), ((), ()))
         else:
             xs, dims = x, (((len(lead),), (1,)), ((), ()))
-        y = jax.lax.dot_general(xs, self.panels, dims, **kw)
+        y = jax.lax.dot_general(xs, self._own(), dims, **kw)
         return y.reshape(*lead, -1)[..., : self.out].astype(x.dtype)
 
 
