@@ -84,24 +84,23 @@ def packed_weights(model: Transformer) -> Transformer:
                 jax.tree.unflatten(flat[0][1], [c[i] for c in columns]) for i in range(n)
             )
     else:
+        # Each stacked projection's weight replaced by its packed stack (`outs`: by `id`, its
+        # output count); layer i then reads `PackedWeight(stack, out, i)` and a row of the rest.
         leaves, tree = jax.tree.flatten(model.layers, is_leaf=is_linear)
-        leaves = [
-            with_weight(m, PackedWeight(_stacked_panels(m.weight), m.weight.shape[1]))
-            if is_linear(m) and packable(m.weight, 3)
-            else m
-            for m in leaves
-        ]
+        outs: dict[int, int] = {}
+        for j, m in enumerate(leaves):
+            if is_linear(m) and packable(m.weight, 3):
+                panels = _stacked_panels(m.weight)
+                outs[id(panels)] = m.weight.shape[1]
+                leaves[j] = with_weight(m, panels)
         stack = jax.tree.unflatten(tree, leaves)
 
-        def layer(i):
-            def take(x):
-                if isinstance(x, PackedWeight):
-                    return PackedWeight(x.panels, x.out, i)
-                return x[i] if eqx.is_array(x) else x
+        def take(x, i):
+            if id(x) in outs:
+                return PackedWeight(x, outs[id(x)], i)
+            return x[i] if eqx.is_array(x) else x
 
-            return jax.tree.map(take, stack, is_leaf=lambda x: isinstance(x, PackedWeight))
-
-        layers = tuple(layer(i) for i in range(n))
+        layers = tuple(jax.tree.map(functools.partial(take, i=i), stack) for i in range(n))
     model = eqx.tree_at(lambda m: m.layers, model, layers)
 
     def pack(m):  # the rest: the logits' head, and any projection not stacked above
