@@ -119,13 +119,28 @@ def test_other_optax_solver(getkey):
     with jax.numpy_dtype_promotion("standard"):
         sol = tilted_source(z, q, k, v, solver=optax.adam(0.05), max_steps=3000, rtol=1e-4)
     assert np.all(sol.converged)
-    # The defining equation, in float64: dF/dzeta(zeta*) = z to the solver's tolerance. (zeta*
-    # itself is pinned only as well as the curvature allows: with 5 keys and dv = 2 a direction
-    # of small value variance can leave it 3e-2 from zeta_true at this residual.)
+    # The defining equation, in float64: dF/dzeta(zeta*) = z to the solver's tolerance.
     reached = ref.tilted_mean(q, k, v, sol.zeta)
     tol = 1e-4 * float(jnp.max(jnp.abs(v)))
     assert np.max(np.abs(reached - ref.f64(z))) <= 2 * tol
-    np.testing.assert_allclose(sol.zeta, zeta_true, atol=5e-2)
+    # zeta* itself is pinned only as well as the curvature allows: the means at zeta* and
+    # zeta_true differ by H (zeta* - zeta_true), H the covariance of v averaged on the segment,
+    # so |zeta* - zeta_true| <= |mean gap| / lambda_min(H) (with 5 keys and dv = 2 a direction of
+    # small value variance can leave zeta* 0.1 from zeta_true at this residual).
+    delta = ref.f64(sol.zeta) - ref.f64(zeta_true)
+    lam = np.min(
+        [
+            np.linalg.eigvalsh(ref.tilted_covariance(q, k, v, ref.f64(zeta_true) + t * delta))[
+                ..., 0
+            ]
+            for t in np.linspace(0.0, 1.0, 9)
+        ],
+        axis=0,
+    )
+    gap = 2 * tol * np.sqrt(z.shape[-1]) + np.linalg.norm(
+        ref.f64(z) - ref.tilted_mean(q, k, v, zeta_true), axis=-1
+    )
+    assert np.all(np.linalg.norm(delta, axis=-1) <= 1.5 * gap / lam + 1e-6)
 
 
 def test_jit_and_float64(getkey):
