@@ -87,6 +87,8 @@ CASES = [
     (8, 1, 32, 32, jnp.float32, "bshd", True),  # keys by rows (8 rows), sub-blocks, a tail
     (4, 2, 32, 32, jnp.float32, "bhsd", True),  # the same, 8 rows of two queries
     (8, 2, 32, 64, jnp.float32, "bhsd", False),  # the same, two tiles of 8 rows
+    (8, 1, 32, 32, jnp.float32, "bhsd", False),  # by rows, keys 32 apart, values 8 rows at once
+    (8, 2, 32, 32, jnp.float32, "bhsd", False),  # the same, two tiles of 8 rows by sub-blocks
     (3, 2, 24, 20, jnp.float32, "bhsd", True),  # tiles in turns, with the scalar loops
     (7, 1, 32, 32, jnp.float32, "bhsd", True),  # keys by lanes in tiles of 4 and 3 rows
     (2, 1, 32, 32, jnp.float32, "bshd", False),  # in one tile of 2 rows
