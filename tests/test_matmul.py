@@ -12,7 +12,14 @@ from jax.test_util import check_grads
 
 from treeattn._native import load_kernel
 from treeattn.models import LlamaConfig, MultiheadAttention, PackedWeight, Transformer
-from treeattn.models._layers import _xla_rows, apply_linears, matmul
+from treeattn.models._layers import (
+    _gated_reference,
+    _xla_rows,
+    apply_linears,
+    gated_fuses,
+    gated_product,
+    matmul,
+)
 
 
 # One product, rounded once: float32 is held to half the table's bound, bfloat16 to the table's.
@@ -394,5 +401,67 @@ def test_a_packed_layer_projects_q_k_v_in_one_call():
     decoder = Transformer(config, key=jax.random.key(0)).decoder(max_len=8)
     text = decoder.compiled_step().as_text()
     packed = "treeattn_cpu_matmul_packed"
-    assert sorted(matmul_calls(text, packed)) == sorted([3, 1, 2, 1] * 2 + [1])
-    assert matmul_calls(text) == []
+    assert sorted(matmul_calls(text, packed)) == sorted([3, 1, 1] * 2 + [1])
+    assert matmul_calls(text, "treeattn_cpu_matmul_gated") == [2, 2]  # gate and up, and silu
+    assert matmul_calls(text) == [] and "logistic" not in text and "exponential" not in text
+
+
+def gated_float64(x, wg, wu):
+    x, wg, wu = (np.asarray(a, np.float64) for a in (x, wg, wu))
+    g, u = x @ wg.T, x @ wu.T
+    return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(24, 16), (37, 64), (300, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [(1,), (3,), (8,), (2, 5), (33,)])
+def test_gated_product_matches_float64(rows, shape, dtype, getkey):
+    """SwiGLU's gate, silu(x Wg^T) * x Wu^T, in one call on packed weights: against float64,
+    as close as the unfused form (gates of both signs, some past exp's range)."""
+    out, n = shape
+    x = jax.random.normal(getkey(), (*rows, n), dtype)
+    wg = jax.random.normal(getkey(), (out, n), dtype) * (30 / n**0.5)
+    wu = jax.random.normal(getkey(), (out, n), dtype) / n**0.5
+    pg, pu = PackedWeight.of(wg), PackedWeight.of(wu)
+    assert gated_fuses(x, pg, pu)
+    want = gated_float64(x, wg, wu)
+    atol = TOL[dtype] * np.abs(want).max()
+    for got in (jax.jit(gated_product)(x, pg, pu), jax.jit(_gated_reference)(x, pg, pu)):
+        assert got.shape == (*rows, out) and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
+
+
+def test_gated_product_of_a_stack_vmap_and_derivatives(getkey):
+    """Layers of a stack read in place; rows batched over shared weights stay one call, an
+    ensemble of weights is one product per member; derivatives are the unfused form's."""
+    x = jax.random.normal(getkey(), (3, 2, 64))
+    ws = jax.random.normal(getkey(), (2, 3, 40, 64)) / 8
+    stacks = [jax.vmap(PackedWeight.of)(w).panels for w in ws]
+    pg, pu = (PackedWeight(s, 40, 1) for s in stacks)
+    want = gated_float64(x, ws[0, 1], ws[1, 1])
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    np.testing.assert_allclose(jax.jit(gated_product)(x, pg, pu), want, **close)
+    np.testing.assert_allclose(jax.vmap(gated_product, (0, None, None))(x, pg, pu), want, **close)
+    ensemble = [jax.vmap(PackedWeight.of)(w) for w in ws]
+    got = jax.vmap(gated_product)(x, *ensemble)
+    for i in range(3):
+        np.testing.assert_allclose(got[i], gated_float64(x[i], ws[0, i], ws[1, i]), **close)
+    f = lambda x, g, u: jnp.sum(jnp.sin(gated_product(x, g, u)))  # noqa: E731
+    r = lambda x, g, u: jnp.sum(jnp.sin(_gated_reference(x, g, u)))  # noqa: E731
+    for a, b in zip(
+        jax.tree.leaves(jax.grad(f, argnums=(0, 1, 2))(x, pg, pu)),
+        jax.tree.leaves(jax.grad(r, argnums=(0, 1, 2))(x, pg, pu)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, **close)
+    check_grads(gated_product, (x[0], pg, pu), order=1, modes=["fwd", "rev"], atol=2e-2, rtol=2e-2)
+
+
+def test_gated_product_refuses_what_it_does_not_fuse(getkey):
+    x = jnp.ones((2, 16))
+    w = PackedWeight.of(jnp.ones((8, 16)))
+    other = PackedWeight.of(jnp.ones((4, 16)))
+    for args in ((x, w, other), (x, w, jnp.ones((8, 16))), (x.astype(jnp.bfloat16), w, w)):
+        assert not gated_fuses(*args)
+        with pytest.raises(ValueError, match="gated_product: x and two packed weights"):
+            gated_product(*args)

@@ -168,6 +168,25 @@ inline vf32 select(vi32 mask, vf32 a, vf32 b) {
   return as_float((mask & as_int(a)) | (~mask & as_int(b)));
 }
 
+// x as stored in T: float32 unchanged; bfloat16 rounded to nearest even (as `store`), NaN
+// kept NaN.
+inline vf32 vround(vf32 x, const float*) { return x; }
+inline vf32 vround(vf32 x, const uint16_t*) {
+  vu32 bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const vu32 r = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  vf32 y;
+  std::memcpy(&y, &r, sizeof y);
+  return select(x != x, splat(std::numeric_limits<float>::quiet_NaN()), y);
+}
+inline void vstore(uint16_t* p, vf32 x) {  // bfloat16, rounded as `store`
+  vu32 bits;
+  const vf32 r = vround(x, p);
+  std::memcpy(&bits, &r, sizeof bits);
+  const vu16 h = __builtin_convertvector(bits >> 16, vu16);
+  std::memcpy(p, &h, sizeof h);
+}
+
 inline float hsum(vf32 x) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += x[i];
@@ -1687,67 +1706,155 @@ void matmul_packed(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
              });
 }
 
+// A packed weight's result: where it goes, its columns, and (checked) its type and size.
+struct MmResult {
+  void* data;
+  int64_t out;
+  ffi::DataType type;
+  int64_t count;
+};
+
+// The weights of a packed product call (weight j, or layer layers[j] of a stack of them,
+// into results[j]) checked against x [..., in]; an empty message when they fit.
+std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                            const std::vector<MmResult>& results,
+                            ffi::Span<const int64_t> layers, std::vector<MmWeight>& weights) {
+  const auto xd = x.dimensions();
+  const auto dtype = x.element_type();
+  const std::string who(name);
+  if (xd.size() < 1 || ws.size() == 0 || ws.size() != results.size() ||
+      layers.size() != ws.size()) {
+    return who + ": x [..., in], then packed weights, one result and one layer index per weight";
+  }
+  if (dtype != ffi::F32 && dtype != ffi::BF16) return who + ": dtype must be float32 or bfloat16";
+  const int64_t in = xd.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  const bool pairs = dtype == ffi::BF16;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    if (!w.has_value()) return who + ": weights and results are buffers";
+    const auto all = w->dimensions();
+    const int64_t layer = layers[j];
+    const size_t lead = layer >= 0 ? 1 : 0;  // a stack's layer axis
+    if (layer < -1 || all.size() < lead || (layer >= 0 && layer >= all[0])) {
+      return who + ": a weight's layer index lies outside its stack";
+    }
+    const std::vector<int64_t> wd(all.begin() + lead, all.end());
+    const int64_t per_layer = layer >= 0 ? w->element_count() / all[0] : 0;
+    const MmResult& y = results[j];
+    const bool shape_ok =
+        pairs ? (wd.size() == 4 && in % 2 == 0 && wd[1] == in / 2 && wd[2] == kPanel && wd[3] == 2)
+              : (wd.size() == 3 && wd[1] == in && wd[2] == kPanel);
+    if (!shape_ok || wd[0] != (y.out + kPanel - 1) / kPanel || w->element_type() != dtype ||
+        y.type != dtype || y.count != rows * y.out) {
+      return who +
+             ": each weight must be packed from [out, in] with x's in and dtype (float32 "
+             "[ceil(out / 16), in, 16], bfloat16 [ceil(out / 16), in / 2, 16, 2]), its result "
+             "[..., out]";
+    }
+    const auto* base = static_cast<const char*>(w->untyped_data());
+    const int64_t size = dtype == ffi::F32 ? 4 : 2;
+    weights.push_back({base + std::max<int64_t>(layer, 0) * per_layer * size, y.data, y.out});
+  }
+  return "";
+}
+
+int64_t leading_rows(ffi::AnyBuffer x) {
+  int64_t rows = 1;
+  const auto xd = x.dimensions();
+  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  return rows;
+}
+
+template <typename F>
+void with_dtype(ffi::AnyBuffer x, F fn) {
+  if (x.element_type() == ffi::F32) {
+    fn(static_cast<const float*>(x.untyped_data()));
+  } else {
+    fn(static_cast<const uint16_t*>(x.untyped_data()));
+  }
+}
+
 // x [..., in] and packed weights (float32 [panels, in, kPanel], bfloat16 [panels, in / 2,
 // kPanel, 2]) to y_j [..., out_j], panels = ceil(out_j / kPanel). Where layers[j] >= 0, weight j
 // is a stack of such weights with a leading layer axis and the product reads its layer
 // layers[j] in place (one argument for every layer's weight of a kind, no slice copied).
 ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
                         ffi::RemainingRets ys, ffi::Span<const int64_t> layers) {
-  const auto xd = x.dimensions();
-  const auto dtype = x.element_type();
-  if (xd.size() < 1 || ws.size() == 0 || ws.size() != ys.size() || layers.size() != ws.size()) {
-    return ffi::Error::InvalidArgument(
-        "treeattn_cpu_matmul_packed: x [..., in], then packed weights, one result and one "
-        "layer index per weight");
-  }
-  if (dtype != ffi::F32 && dtype != ffi::BF16) {
-    return ffi::Error::InvalidArgument(
-        "treeattn_cpu_matmul_packed: dtype must be float32 or bfloat16");
-  }
-  const int64_t in = xd.back();
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
-  const bool pairs = dtype == ffi::BF16;
-  std::vector<MmWeight> weights;
-  for (size_t j = 0; j < ws.size(); ++j) {
-    auto w = ws.get<ffi::AnyBuffer>(j);
+  std::vector<MmResult> results;
+  for (size_t j = 0; j < ys.size(); ++j) {
     auto y = ys.get<ffi::AnyBuffer>(j);
-    if (!w.has_value() || !y.has_value()) {
+    if (!y.has_value()) {
       return ffi::Error::InvalidArgument(
           "treeattn_cpu_matmul_packed: weights and results are buffers");
     }
-    const auto all = w->dimensions();
-    const int64_t layer = layers[j];
-    const size_t lead = layer >= 0 ? 1 : 0;  // a stack's layer axis
-    if (layer < -1 || all.size() < lead || (layer >= 0 && layer >= all[0])) {
-      return ffi::Error::InvalidArgument(
-          "treeattn_cpu_matmul_packed: a weight's layer index lies outside its stack");
-    }
-    const std::vector<int64_t> wd(all.begin() + lead, all.end());
-    const int64_t per_layer = layer >= 0 ? w->element_count() / all[0] : 0;
     const auto yd = (*y)->dimensions();
-    const int64_t out = yd.size() ? yd.back() : 0;
-    const bool shape_ok =
-        pairs ? (wd.size() == 4 && in % 2 == 0 && wd[1] == in / 2 && wd[2] == kPanel && wd[3] == 2)
-              : (wd.size() == 3 && wd[1] == in && wd[2] == kPanel);
-    if (!shape_ok || wd[0] != (out + kPanel - 1) / kPanel || w->element_type() != dtype ||
-        (*y)->element_type() != dtype || (*y)->element_count() != rows * out) {
-      return ffi::Error::InvalidArgument(
-          "treeattn_cpu_matmul_packed: each weight must be packed from [out, in] with x's in "
-          "and dtype (float32 [ceil(out / 16), in, 16], bfloat16 [ceil(out / 16), in / 2, 16, "
-          "2]), its result [..., out]");
+    results.push_back({(*y)->untyped_data(), yd.size() ? yd.back() : 0, (*y)->element_type(),
+                       static_cast<int64_t>((*y)->element_count())});
+  }
+  std::vector<MmWeight> weights;
+  const std::string bad =
+      packed_operands("treeattn_cpu_matmul_packed", x, ws, results, layers, weights);
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  with_dtype(x, [&](const auto* xs) {
+    matmul_packed(pool, xs, leading_rows(x), x.dimensions().back(), weights);
+  });
+  return ffi::Error::Success();
+}
+
+// silu(g) u = g u / (1 + e^{-g}), from e^{-|g|} <= 1 (no overflow): 1 / (1 + e) for g >= 0,
+// e / (1 + e) below.
+inline vf32 silu_times(vf32 g, vf32 u) {
+  const vi32 neg = g < splat(0.0f);
+  const vf32 e = exp_nonpositive(select(neg, g, -g));
+  return g * u * (select(neg, e, splat(1.0f)) / (splat(1.0f) + e));
+}
+
+// y = silu(x gate^T) * (x up^T), SwiGLU's gated product in one call: both products as one
+// packed product (gate into y, up into a scratch row block), then the gate in float32 and one
+// rounding to T, by the same threads.
+template <typename T>
+void matmul_gated(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
+                  std::vector<MmWeight>& weights) {
+  const int64_t out = weights[0].out, n = rows * out;
+  std::vector<T> up(n);
+  weights[1].y = up.data();
+  matmul_packed(pool, x, rows, in, weights);
+  T* y = static_cast<T*>(weights[0].y);
+  // Blocks of whole vectors, a few per thread once there are enough of them.
+  constexpr int64_t kGateBlock = 1 << 14;
+  parallel_for(pool, (n + kGateBlock - 1) / kGateBlock, [&](int64_t b) {
+    const int64_t i0 = b * kGateBlock, i1 = std::min(n, i0 + kGateBlock);
+    int64_t i = i0;
+    for (; i + kLanes <= i1; i += kLanes) vstore(y + i, silu_times(vload(y + i), vload(up.data() + i)));
+    if (i < i1) {  // the last few, through a vector of their own
+      float g[kLanes] = {}, u[kLanes] = {}, r[kLanes];
+      for (int64_t a = i; a < i1; ++a) g[a - i] = load(y + a), u[a - i] = load(up.data() + a);
+      vstore(r, silu_times(vload(g), vload(u)));
+      for (int64_t a = i; a < i1; ++a) store(y + a, r[a - i]);
     }
-    const auto* base = static_cast<const char*>(w->untyped_data());
-    const int64_t size = dtype == ffi::F32 ? 4 : 2;
-    weights.push_back({base + std::max<int64_t>(layer, 0) * per_layer * size,
-                       (*y)->untyped_data(), out});
+  });
+}
+
+// x [..., in], the packed gate and up weights of SwiGLU (as MatmulPacked takes them, of one
+// out) to y [..., out] = silu(x gate^T) * (x up^T).
+ffi::Error MatmulGated(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> layers) {
+  const auto yd = y->dimensions();
+  const int64_t out = yd.size() ? yd.back() : 0, count = y->element_count();
+  const MmResult result{y->untyped_data(), out, y->element_type(), count};
+  if (ws.size() != 2) {
+    return ffi::Error::InvalidArgument("treeattn_cpu_matmul_gated: x, then the gate and up weights");
   }
-  if (dtype == ffi::F32) {
-    matmul_packed<float>(pool, static_cast<const float*>(x.untyped_data()), rows, in, weights);
-  } else {
-    matmul_packed<uint16_t>(pool, static_cast<const uint16_t*>(x.untyped_data()), rows, in,
-                            weights);
-  }
+  std::vector<MmWeight> weights;
+  // Both checked against y's shape (up's result is a scratch block of the same shape).
+  const std::string bad =
+      packed_operands("treeattn_cpu_matmul_gated", x, ws, {result, result}, layers, weights);
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  with_dtype(x, [&](const auto* xs) {
+    matmul_gated(pool, xs, leading_rows(x), x.dimensions().back(), weights);
+  });
   return ffi::Error::Success();
 }
 
@@ -1855,6 +1962,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmulPacked, MatmulPacked,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("layers"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmulGated, MatmulGated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("layers"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuWrite, Write,

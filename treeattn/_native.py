@@ -46,6 +46,8 @@ MATMUL_TARGET = "treeattn_cpu_matmul"
 MATMUL_SYMBOL = "TreeattnCpuMatmul"
 PACKED_TARGET = "treeattn_cpu_matmul_packed"
 PACKED_SYMBOL = "TreeattnCpuMatmulPacked"
+GATED_TARGET = "treeattn_cpu_matmul_gated"
+GATED_SYMBOL = "TreeattnCpuMatmulGated"
 # Output rows per panel of a packed weight (`kPanel` in the kernel).
 PANEL = 16
 WRITE_TARGET = "treeattn_cpu_write"
@@ -335,6 +337,7 @@ def load_kernel() -> str | None:
             (TARGET, SYMBOL),
             (MATMUL_TARGET, MATMUL_SYMBOL),
             (PACKED_TARGET, PACKED_SYMBOL),
+            (GATED_TARGET, GATED_SYMBOL),
             (WRITE_TARGET, WRITE_SYMBOL),
         ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))
