@@ -339,7 +339,8 @@ def test_a_layer_of_a_stack_matches_float64(rows, dtype, getkey):
         w = PackedWeight(stack, 37, 1)
         f = lambda x: jnp.sum(jnp.sin(matmul(x, w)))  # noqa: E731
         g = jax.grad(lambda x: jnp.sum(jnp.sin(x @ ws[1].T)))(x)
-        np.testing.assert_allclose(jax.grad(f)(x), g, rtol=1e-5, atol=1e-5)
+        # Two float32 sums of 37 terms in different orders: held to the gradient's scale.
+        np.testing.assert_allclose(jax.grad(f)(x), g, atol=1e-5 * np.abs(g).max())
     for panels, i in ((stack, 3), (stack, -1), (stack[0], 0)):
         with pytest.raises(ValueError, match=rf"layer {i} of a stack of panels with a layer axis"):
             PackedWeight(panels, 37, i)
