@@ -11,7 +11,14 @@ from helpers import TOL
 from jax.test_util import check_grads
 
 from treeattn._native import load_kernel
-from treeattn.models import LlamaConfig, MultiheadAttention, PackedWeight, Transformer
+from treeattn.models import (
+    LlamaConfig,
+    MultiheadAttention,
+    PackedWeight,
+    RMSNorm,
+    SwiGLU,
+    Transformer,
+)
 from treeattn.models._layers import (
     _gated_reference,
     _xla_rows,
@@ -19,6 +26,7 @@ from treeattn.models._layers import (
     gated_fuses,
     gated_product,
     matmul,
+    mlp_block,
 )
 
 
@@ -402,8 +410,9 @@ def test_a_packed_layer_projects_q_k_v_in_one_call():
     decoder = Transformer(config, key=jax.random.key(0)).decoder(max_len=8)
     text = decoder.compiled_step().as_text()
     packed = "treeattn_cpu_matmul_packed"
-    assert sorted(matmul_calls(text, packed)) == sorted([3, 1, 1] * 2 + [1])
-    assert matmul_calls(text, "treeattn_cpu_matmul_gated") == [2, 2]  # gate and up, and silu
+    assert sorted(matmul_calls(text, packed)) == sorted([3, 1] * 2 + [1])
+    # Each layer's MLP (norm, gate and up, silu, down, residual) is one call.
+    assert text.count('custom_call_target="treeattn_cpu_mlp"') == 2
     assert matmul_calls(text) == [] and "logistic" not in text and "exponential" not in text
 
 
@@ -466,3 +475,66 @@ def test_gated_product_refuses_what_it_does_not_fuse(getkey):
         assert not gated_fuses(*args)
         with pytest.raises(ValueError, match="gated_product: x and two packed weights"):
             gated_product(*args)
+
+
+def mlp_float64(x, g, eps, wg, wu, wd):
+    x = np.asarray(x, np.float64)
+    n = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(g, np.float64)
+    return x + gated_float64(n, wg, wu) @ np.asarray(wd, np.float64).T
+
+
+def packed_mlp(n, hidden, dtype, key):
+    """An RMSNorm and a SwiGLU of random weights, and the SwiGLU with its weights packed."""
+    k1, k2 = jax.random.split(key)
+    mlp = SwiGLU(n, hidden, dtype=dtype, key=k1)
+    norm = eqx.tree_at(
+        lambda m: m.weight,
+        RMSNorm(n, 1e-5, dtype=dtype),
+        (1 + 0.3 * jax.random.normal(k2, (n,))).astype(dtype),
+    )
+    weights = lambda m: (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)  # noqa: E731
+    packed = eqx.tree_at(weights, mlp, tuple(PackedWeight.of(w) for w in weights(mlp)))
+    return norm, mlp, packed
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(24, 16), (300, 64), (704, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [(1,), (8,), (2, 5), (33,)])
+def test_mlp_block_matches_float64(rows, shape, dtype, getkey):
+    """A pre-norm block's MLP and residual, x + mlp(norm(x)), in one call on packed weights:
+    against float64, as close as the unfused form on the arrays."""
+    hidden, n = shape
+    norm, mlp, packed = packed_mlp(n, hidden, dtype, getkey())
+    x = (3 * jax.random.normal(getkey(), (*rows, n))).astype(dtype)
+    want = mlp_float64(
+        x, norm.weight, norm.eps, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    )
+    atol = TOL[dtype] * np.abs(want).max()
+    unfused = jax.jit(lambda x: x + mlp(norm(x)))(x)
+    for got in (jax.jit(mlp_block)(x, norm, packed), unfused):
+        assert got.shape == x.shape and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
+
+
+def test_mlp_block_vmap_derivatives_and_fallback(getkey):
+    """Rows batched over shared weights stay one call; derivatives are the unfused form's; with
+    weights as arrays (training) the block is the unfused computation itself."""
+    norm, mlp, packed = packed_mlp(32, 48, jnp.float32, getkey())
+    x = jax.random.normal(getkey(), (3, 2, 32))
+    want = jax.vmap(lambda x: x + mlp(norm(x)))(x)
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    np.testing.assert_allclose(jax.vmap(mlp_block, (0, None, None))(x, norm, packed), want, **close)
+    np.testing.assert_array_equal(mlp_block(x, norm, mlp), x + mlp(norm(x)))
+    f = lambda x, m: jnp.sum(jnp.sin(mlp_block(x, norm, m)))  # noqa: E731
+    gx, gm = jax.grad(f, argnums=(0, 1))(x[0], packed)
+    rx, rm = jax.grad(lambda x, m: jnp.sum(jnp.sin(x + m(norm(x)))), argnums=(0, 1))(x[0], mlp)
+    np.testing.assert_allclose(gx, rx, **close)
+    np.testing.assert_allclose(gm.down_proj.weight.unpack(), rm.down_proj.weight, **close)
+    check_grads(
+        lambda x: mlp_block(x, norm, packed),
+        (x[0],),
+        order=1,
+        modes=["fwd", "rev"],
+        atol=2e-2,
+        rtol=2e-2,
+    )

@@ -1714,6 +1714,36 @@ struct MmResult {
   int64_t count;
 };
 
+// One packed weight (a buffer, or layer `layer` of a stack of them) of a product of `rows` rows
+// of `in` inputs in `dtype` into `y`, checked; appended to `weights`. An empty message when it
+// fits.
+std::string packed_weight(const std::string& who, ffi::AnyBuffer w, int64_t layer, int64_t in,
+                          int64_t rows, ffi::DataType dtype, const MmResult& y,
+                          std::vector<MmWeight>& weights) {
+  const bool pairs = dtype == ffi::BF16;
+  const auto all = w.dimensions();
+  const size_t lead = layer >= 0 ? 1 : 0;  // a stack's layer axis
+  if (layer < -1 || all.size() < lead || (layer >= 0 && layer >= all[0])) {
+    return who + ": a weight's layer index lies outside its stack";
+  }
+  const std::vector<int64_t> wd(all.begin() + lead, all.end());
+  const int64_t per_layer = layer >= 0 ? w.element_count() / all[0] : 0;
+  const bool shape_ok =
+      pairs ? (wd.size() == 4 && in % 2 == 0 && wd[1] == in / 2 && wd[2] == kPanel && wd[3] == 2)
+            : (wd.size() == 3 && wd[1] == in && wd[2] == kPanel);
+  if (!shape_ok || wd[0] != (y.out + kPanel - 1) / kPanel || w.element_type() != dtype ||
+      y.type != dtype || y.count != rows * y.out) {
+    return who +
+           ": each weight must be packed from [out, in] with its input's in and x's dtype "
+           "(float32 [ceil(out / 16), in, 16], bfloat16 [ceil(out / 16), in / 2, 16, 2]), its "
+           "result [..., out]";
+  }
+  const auto* base = static_cast<const char*>(w.untyped_data());
+  const int64_t size = dtype == ffi::F32 ? 4 : 2;
+  weights.push_back({base + std::max<int64_t>(layer, 0) * per_layer * size, y.data, y.out});
+  return "";
+}
+
 // The weights of a packed product call (weight j, or layer layers[j] of a stack of them,
 // into results[j]) checked against x [..., in]; an empty message when they fit.
 std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::RemainingArgs ws,
@@ -1727,35 +1757,13 @@ std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::Remain
     return who + ": x [..., in], then packed weights, one result and one layer index per weight";
   }
   if (dtype != ffi::F32 && dtype != ffi::BF16) return who + ": dtype must be float32 or bfloat16";
-  const int64_t in = xd.back();
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
-  const bool pairs = dtype == ffi::BF16;
   for (size_t j = 0; j < ws.size(); ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     if (!w.has_value()) return who + ": weights and results are buffers";
-    const auto all = w->dimensions();
-    const int64_t layer = layers[j];
-    const size_t lead = layer >= 0 ? 1 : 0;  // a stack's layer axis
-    if (layer < -1 || all.size() < lead || (layer >= 0 && layer >= all[0])) {
-      return who + ": a weight's layer index lies outside its stack";
-    }
-    const std::vector<int64_t> wd(all.begin() + lead, all.end());
-    const int64_t per_layer = layer >= 0 ? w->element_count() / all[0] : 0;
-    const MmResult& y = results[j];
-    const bool shape_ok =
-        pairs ? (wd.size() == 4 && in % 2 == 0 && wd[1] == in / 2 && wd[2] == kPanel && wd[3] == 2)
-              : (wd.size() == 3 && wd[1] == in && wd[2] == kPanel);
-    if (!shape_ok || wd[0] != (y.out + kPanel - 1) / kPanel || w->element_type() != dtype ||
-        y.type != dtype || y.count != rows * y.out) {
-      return who +
-             ": each weight must be packed from [out, in] with x's in and dtype (float32 "
-             "[ceil(out / 16), in, 16], bfloat16 [ceil(out / 16), in / 2, 16, 2]), its result "
-             "[..., out]";
-    }
-    const auto* base = static_cast<const char*>(w->untyped_data());
-    const int64_t size = dtype == ffi::F32 ? 4 : 2;
-    weights.push_back({base + std::max<int64_t>(layer, 0) * per_layer * size, y.data, y.out});
+    std::string bad = packed_weight(who, *w, layers[j], xd.back(), rows, dtype, results[j], weights);
+    if (!bad.empty()) return bad;
   }
   return "";
 }
@@ -1835,6 +1843,100 @@ void matmul_gated(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
       for (int64_t a = i; a < i1; ++a) store(y + a, r[a - i]);
     }
   });
+}
+
+// A pre-norm block's MLP in one call, y = x + W_d(silu(W_g n) * W_u n) with n = RMSNorm(x):
+// the norm on the calling thread in float32, rounded to T as RMSNorm rounds (x / rms(x), then
+// times its weight), the gated product, the down product, the residual sum rounded to T.
+template <typename T>
+void mlp_block(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int64_t rows,
+               int64_t in, std::vector<MmWeight>& gated, MmWeight down, T* y) {
+  std::vector<T> normed(rows * in), act(rows * gated[0].out), sum(rows * in);
+  // Rows in blocks of about kGateBlock elements (one block, on the caller, for a decode step).
+  const int64_t per = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(in, 1));
+  const int64_t blocks = (rows + per - 1) / per;
+  const int64_t whole = in / kLanes * kLanes;
+  const T* tag = nullptr;
+  parallel_for(pool, blocks, [&](int64_t b) {
+    for (int64_t r = b * per; r < std::min(rows, (b + 1) * per); ++r) {
+      const T* xr = x + r * in;
+      T* nr = normed.data() + r * in;
+      vf32 acc{};
+      for (int64_t i = 0; i < whole; i += kLanes) acc += vload(xr + i) * vload(xr + i);
+      float ss = hsum(acc);
+      for (int64_t i = whole; i < in; ++i) ss += load(xr + i) * load(xr + i);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(in) + eps);
+      for (int64_t i = 0; i < whole; i += kLanes) {
+        vstore(nr + i, vload(g + i) * vround(vload(xr + i) * splat(inv), tag));
+      }
+      for (int64_t i = whole; i < in; ++i) {
+        store(nr + i, load(xr + i) * inv);
+        store(nr + i, load(g + i) * load(nr + i));
+      }
+    }
+  });
+  gated[0].y = act.data();
+  matmul_gated(pool, normed.data(), rows, in, gated);
+  down.y = sum.data();
+  std::vector<MmWeight> d{down};
+  matmul_packed(pool, act.data(), rows, gated[0].out, d);
+  parallel_for(pool, blocks, [&](int64_t b) {
+    const int64_t i0 = b * per * in, i1 = std::min(rows, (b + 1) * per) * in;
+    int64_t i = i0;
+    for (; i + kLanes <= i1; i += kLanes) vstore(y + i, vload(x + i) + vload(sum.data() + i));
+    for (; i < i1; ++i) store(y + i, load(x + i) + load(sum.data() + i));
+  });
+}
+
+// x [..., in], the norm's weight [in] (x's dtype) and eps (float32 []), then the packed gate,
+// up ([hidden, in]) and down ([in, hidden]) weights, as MatmulPacked takes them, to
+// y [..., in] = x + down(silu(gate n) * up n), n = RMSNorm(x).
+ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
+                    ffi::Buffer<ffi::F32> eps, ffi::RemainingArgs ws,
+                    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> layers) {
+  const std::string who = "treeattn_cpu_mlp";
+  const auto xd = x.dimensions();
+  const auto dtype = x.element_type();
+  const int64_t in = xd.size() ? xd.back() : 0, rows = leading_rows(x);
+  if (xd.size() < 1 || (dtype != ffi::F32 && dtype != ffi::BF16) || ws.size() != 3 ||
+      layers.size() != 3 || g.element_type() != dtype ||
+      static_cast<int64_t>(g.element_count()) != in || eps.element_count() != 1 ||
+      y->element_type() != dtype || y->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument(
+        who + ": x [..., in] (float32 or bfloat16), the norm's weight [in] of x's dtype and "
+              "eps, then the gate, up and down weights; the result as x");
+  }
+  auto gw = ws.get<ffi::AnyBuffer>(0), uw = ws.get<ffi::AnyBuffer>(1), dw = ws.get<ffi::AnyBuffer>(2);
+  if (!gw.has_value() || !uw.has_value() || !dw.has_value()) {
+    return ffi::Error::InvalidArgument(who + ": weights are buffers");
+  }
+  // The hidden size, from down's packed inputs ([panels, hidden, 16], or [panels, hidden / 2,
+  // 16, 2] for bfloat16, after a stack's layer axis).
+  const auto dd = dw->dimensions();
+  const size_t lead = layers[2] >= 0 ? 1 : 0;
+  if (dd.size() < lead + 2) return ffi::Error::InvalidArgument(who + ": down must be packed");
+  const int64_t hidden = dd[lead + 1] * (dtype == ffi::BF16 ? 2 : 1);
+  const MmResult mid{nullptr, hidden, dtype, rows * hidden};
+  const MmResult out{nullptr, in, dtype, rows * in};
+  std::vector<MmWeight> weights;
+  for (std::string bad : {packed_weight(who, *gw, layers[0], in, rows, dtype, mid, weights),
+                          packed_weight(who, *uw, layers[1], in, rows, dtype, mid, weights),
+                          packed_weight(who, *dw, layers[2], hidden, rows, dtype, out, weights)}) {
+    if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  }
+  const MmWeight down = weights[2];
+  weights.pop_back();
+  const float e = *eps.typed_data();
+  if (dtype == ffi::F32) {
+    mlp_block(pool, static_cast<const float*>(x.untyped_data()),
+              static_cast<const float*>(g.untyped_data()), e, rows, in, weights, down,
+              static_cast<float*>(y->untyped_data()));
+  } else {
+    mlp_block(pool, static_cast<const uint16_t*>(x.untyped_data()),
+              static_cast<const uint16_t*>(g.untyped_data()), e, rows, in, weights, down,
+              static_cast<uint16_t*>(y->untyped_data()));
+  }
+  return ffi::Error::Success();
 }
 
 // x [..., in], the packed gate and up weights of SwiGLU (as MatmulPacked takes them, of one
@@ -1968,6 +2070,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMatmulGated, MatmulGated,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("layers"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMlp, MlpBlock,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("layers"));

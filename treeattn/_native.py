@@ -48,6 +48,8 @@ PACKED_TARGET = "treeattn_cpu_matmul_packed"
 PACKED_SYMBOL = "TreeattnCpuMatmulPacked"
 GATED_TARGET = "treeattn_cpu_matmul_gated"
 GATED_SYMBOL = "TreeattnCpuMatmulGated"
+MLP_TARGET = "treeattn_cpu_mlp"
+MLP_SYMBOL = "TreeattnCpuMlp"
 # Output rows per panel of a packed weight (`kPanel` in the kernel).
 PANEL = 16
 WRITE_TARGET = "treeattn_cpu_write"
@@ -338,6 +340,7 @@ def load_kernel() -> str | None:
             (MATMUL_TARGET, MATMUL_SYMBOL),
             (PACKED_TARGET, PACKED_SYMBOL),
             (GATED_TARGET, GATED_SYMBOL),
+            (MLP_TARGET, MLP_SYMBOL),
             (WRITE_TARGET, WRITE_SYMBOL),
         ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))

@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._native import GATED_TARGET, MATMUL_TARGET, PACKED_TARGET, PANEL, load_kernel
+from .._native import (
+    GATED_TARGET,
+    MATMUL_TARGET,
+    MLP_TARGET,
+    PACKED_TARGET,
+    PANEL,
+    load_kernel,
+)
 
 
 def _dot_array(x, w):
@@ -416,9 +423,13 @@ class RMSNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return self.weight * h.astype(x.dtype)
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def _rms_norm(x, weight, eps):
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,3 +548,77 @@ class SwiGLU(eqx.Module):
             gate, up = apply_linears((g, u), x)
             act = jax.nn.silu(gate) * up
         return apply_linear(self.down_proj, act)
+
+
+def _mlp_reference(x, g, eps, wg, wu, wd):
+    r"""A pre-norm block's MLP and residual unfused, $x + W_d\,\mathrm{gate}(\mathrm{RMSNorm}(x))$
+    (differentiable, every platform)."""
+    return x + _matmuls(_gated_reference(_rms_norm(x, g, eps), wg, wu), (wd,))[0]
+
+
+def _mlp_native(x, g, eps, wg, wu, wd):
+    """The block by treeattn's C++ kernel in one call: the norm, the gated product, the down
+    product and the residual (one call where XLA:CPU ran seven operations per layer)."""
+    rows = x.reshape(-1, x.shape[-1])
+    layers = np.array([-1 if w.layer is None else w.layer for w in (wg, wu, wd)], np.int64)
+    out = jax.ShapeDtypeStruct(rows.shape, x.dtype)
+    y = jax.ffi.ffi_call(MLP_TARGET, out)(
+        rows, g, eps, wg.panels, wu.panels, wd.panels, layers=layers
+    )
+    return y.reshape(x.shape)
+
+
+@jax.custom_batching.custom_vmap
+def _mlp_rows(x, g, eps, wg, wu, wd):
+    if load_kernel() is None:
+        return jax.lax.platform_dependent(
+            x, g, eps, wg, wu, wd, cpu=_mlp_native, default=_mlp_reference
+        )
+    return _mlp_reference(x, g, eps, wg, wu, wd)
+
+
+@_mlp_rows.def_vmap
+def _mlp_rows_vmap(axis_size, in_batched, x, *rest):
+    # As `_matmul_rows`: batched rows over shared weights stay rows of one call.
+    x_batched, *rest_batched = in_batched
+    rest_batched = [any(jax.tree.leaves(b)) for b in rest_batched]
+    if not any(rest_batched):
+        return _mlp_rows(x, *rest), x_batched
+    xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    axes = tuple(0 if b else None for b in rest_batched)
+    return jax.vmap(_mlp_reference, (0, *axes))(xs, *rest), True
+
+
+@jax.custom_jvp
+def _mlp(x, g, eps, wg, wu, wd):
+    return _mlp_rows(x, g, eps, wg, wu, wd)
+
+
+@_mlp.defjvp
+def _mlp_jvp(primals, tangents):
+    return jax.jvp(_mlp_reference, primals, tangents)  # differentiated: the unfused form
+
+
+def mlp_block(
+    x: Float[Array, "*rows dim"], norm: RMSNorm, mlp: SwiGLU
+) -> Float[Array, "*rows dim"]:
+    r"""A pre-norm block's MLP with its residual, $x + \mathrm{mlp}(\mathrm{norm}(x))$. With
+    packed weights without biases, all of `x`'s dtype (a `Decoder`'s on CPU), one call of
+    treeattn's C++ kernel: the norm (its statistics in float32, rounded as `RMSNorm` rounds),
+    the gated product (`gated_product`), the down product and the sum; differentiated, or
+    elsewhere, the same computed unfused (`_mlp_reference`)."""
+    g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    fuses = (
+        g.bias is None
+        and u.bias is None
+        and d.bias is None
+        and gated_fuses(x, g.weight, u.weight)
+        and isinstance(d.weight, PackedWeight)
+        and d.weight.dtype == x.dtype
+        and d.weight.shape == (x.shape[-1], g.weight.shape[0])
+        and norm.weight.dtype == x.dtype
+        and norm.weight.shape == x.shape[-1:]
+    )
+    if not fuses:
+        return x + mlp(norm(x))
+    return _mlp(x, norm.weight, jnp.float32(norm.eps), g.weight, u.weight, d.weight)

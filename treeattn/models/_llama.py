@@ -22,7 +22,7 @@ from ._config import LlamaConfig
 from ._generate import Decoder
 from ._gguf import read_gguf
 from ._hf import model_from_tensors, read_pretrained, save_pretrained
-from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul
+from ._layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_linear, matmul, mlp_block
 
 
 class DecoderBlock(eqx.Module):
@@ -80,7 +80,7 @@ class DecoderBlock(eqx.Module):
         else:
             attn, new_cache = self.self_attn(h, h, h, cache=cache, backend=backend)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = mlp_block(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
         return x, new_cache
 
     def _attention_inputs(self, x, segment_ids=None) -> tuple[Array, Array, Array]:
