@@ -1762,7 +1762,8 @@ std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::Remain
   for (size_t j = 0; j < ws.size(); ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     if (!w.has_value()) return who + ": weights and results are buffers";
-    std::string bad = packed_weight(who, *w, layers[j], xd.back(), rows, dtype, results[j], weights);
+    std::string bad =
+        packed_weight(who, *w, layers[j], xd.back(), rows, dtype, results[j], weights);
     if (!bad.empty()) return bad;
   }
   return "";
@@ -1811,12 +1812,12 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingAr
   return ffi::Error::Success();
 }
 
-// silu(g) u = g u / (1 + e^{-g}), from e^{-|g|} <= 1 (no overflow): 1 / (1 + e) for g >= 0,
-// e / (1 + e) below.
+// silu(g) u = g sigmoid(g) u, the sigmoid from e^{-|g|} <= 1 (no overflow): 1 / (1 + e) for
+// g >= 0, e / (1 + e) below; g times it first, so that a large u meets silu(g), not g.
 inline vf32 silu_times(vf32 g, vf32 u) {
   const vi32 neg = g < splat(0.0f);
   const vf32 e = exp_nonpositive(select(neg, g, -g));
-  return g * u * (select(neg, e, splat(1.0f)) / (splat(1.0f) + e));
+  return g * (select(neg, e, splat(1.0f)) / (splat(1.0f) + e)) * u;
 }
 
 // y = silu(x gate^T) * (x up^T), SwiGLU's gated product in one call: both products as one
@@ -1835,7 +1836,9 @@ void matmul_gated(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
   parallel_for(pool, (n + kGateBlock - 1) / kGateBlock, [&](int64_t b) {
     const int64_t i0 = b * kGateBlock, i1 = std::min(n, i0 + kGateBlock);
     int64_t i = i0;
-    for (; i + kLanes <= i1; i += kLanes) vstore(y + i, silu_times(vload(y + i), vload(up.data() + i)));
+    for (; i + kLanes <= i1; i += kLanes) {
+      vstore(y + i, silu_times(vload(y + i), vload(up.data() + i)));
+    }
     if (i < i1) {  // the last few, through a vector of their own
       float g[kLanes] = {}, u[kLanes] = {}, r[kLanes];
       for (int64_t a = i; a < i1; ++a) g[a - i] = load(y + a), u[a - i] = load(up.data() + a);
@@ -1906,7 +1909,8 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
         who + ": x [..., in] (float32 or bfloat16), the norm's weight [in] of x's dtype and "
               "eps, then the gate, up and down weights; the result as x");
   }
-  auto gw = ws.get<ffi::AnyBuffer>(0), uw = ws.get<ffi::AnyBuffer>(1), dw = ws.get<ffi::AnyBuffer>(2);
+  auto gw = ws.get<ffi::AnyBuffer>(0), uw = ws.get<ffi::AnyBuffer>(1);
+  auto dw = ws.get<ffi::AnyBuffer>(2);
   if (!gw.has_value() || !uw.has_value() || !dw.has_value()) {
     return ffi::Error::InvalidArgument(who + ": weights are buffers");
   }
@@ -1947,7 +1951,8 @@ ffi::Error MatmulGated(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
   const int64_t out = yd.size() ? yd.back() : 0, count = y->element_count();
   const MmResult result{y->untyped_data(), out, y->element_type(), count};
   if (ws.size() != 2) {
-    return ffi::Error::InvalidArgument("treeattn_cpu_matmul_gated: x, then the gate and up weights");
+    return ffi::Error::InvalidArgument(
+        "treeattn_cpu_matmul_gated: x, then the gate and up weights");
   }
   std::vector<MmWeight> weights;
   // Both checked against y's shape (up's result is a scratch block of the same shape).
