@@ -1,7 +1,8 @@
 // treeattn's kernels for XLA:CPU, called through the XLA FFI: the "cpu" backend of
-// treeattn.decode.flash_attention (fused attention with (out, lse)) and the few-row matrix
-// product of treeattn.models.matmul. treeattn compiles this file with the host's C++ compiler
-// on first use (see _native.py).
+// treeattn.decode.flash_attention (fused attention with (out, lse)), the few-row matrix
+// product of treeattn.models.matmul, SwiGLU's gate and a pre-norm block's MLP on packed
+// weights, and a KV cache's in-place write. treeattn compiles this file with the host's C++
+// compiler on first use (see _native.py).
 //
 // For each batch row and kv head, the query rows of that head (group * q_seq of them) walk the
 // keys in blocks of kBlock with an online softmax: the logits of a block, then the rescaled
