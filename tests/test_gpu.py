@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from helpers import TOL, check_out_lse, make_decode_qkv, mesh_of
 
+from treeattn._native import load_kernel
 from treeattn.decode import (
     BackendUnavailable,
     dot_product_attention,
@@ -35,6 +36,8 @@ from treeattn.decode import (
 from treeattn.decode._checks import check_decode
 from treeattn.decode._gpu import visible_lengths
 from treeattn.decode._registry import KERNELS, Call, CudaTarget, host_platform
+from treeattn.models import PackedWeight, RMSNorm, SwiGLU
+from treeattn.models._layers import gated_product, mlp_block
 
 
 S = jax.ShapeDtypeStruct
@@ -264,6 +267,24 @@ def test_one_function_lowers_for_cpu_and_cuda():
         lambda q, k, v, n: flash_attention(q, k, v, kv_length=n, kv_layout="bhsd", backend="xla")
     )
     assert not custom_calls(g.trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text())
+
+
+@cpu_only
+def test_packed_mlp_and_gate_lower_for_cuda_without_the_cpu_kernel():
+    """A packed model's fused MLP and gate (the C++ kernel on CPU, what a CPU `Decoder` runs)
+    lower for CUDA as their unfused twins, forward and differentiated."""
+    mlp = SwiGLU(64, 96, key=jax.random.key(0))
+    weights = lambda m: (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)  # noqa: E731
+    packed = eqx.tree_at(weights, mlp, tuple(PackedWeight.of(w) for w in weights(mlp)))
+    norm = RMSNorm(64)
+    x = S((8, 64), jnp.float32)
+    block = lambda x: mlp_block(x, norm, packed)  # noqa: E731
+    gate = lambda x: gated_product(x, packed.gate_proj.weight, packed.up_proj.weight)  # noqa: E731
+    for f in (block, gate, jax.grad(lambda x: jnp.sum(block(x)))):
+        assert_cuda_program(lower(f, x))
+    if load_kernel() is None:
+        assert "treeattn_cpu_mlp" in custom_calls(lower(block, x, platform="cpu"))
+        assert "treeattn_cpu_matmul_gated" in custom_calls(lower(gate, x, platform="cpu"))
 
 
 @cpu_only
