@@ -1745,6 +1745,14 @@ std::string packed_weight(const std::string& who, ffi::AnyBuffer w, int64_t laye
   return "";
 }
 
+// The rows of x [..., in]: the product of its leading axes.
+int64_t leading_rows(ffi::AnyBuffer x) {
+  int64_t rows = 1;
+  const auto xd = x.dimensions();
+  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  return rows;
+}
+
 // The weights of a packed product call (weight j, or layer layers[j] of a stack of them,
 // into results[j]) checked against x [..., in]; an empty message when they fit.
 std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::RemainingArgs ws,
@@ -1758,8 +1766,7 @@ std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::Remain
     return who + ": x [..., in], then packed weights, one result and one layer index per weight";
   }
   if (dtype != ffi::F32 && dtype != ffi::BF16) return who + ": dtype must be float32 or bfloat16";
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  const int64_t rows = leading_rows(x);
   for (size_t j = 0; j < ws.size(); ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     if (!w.has_value()) return who + ": weights and results are buffers";
@@ -1768,13 +1775,6 @@ std::string packed_operands(std::string_view name, ffi::AnyBuffer x, ffi::Remain
     if (!bad.empty()) return bad;
   }
   return "";
-}
-
-int64_t leading_rows(ffi::AnyBuffer x) {
-  int64_t rows = 1;
-  const auto xd = x.dimensions();
-  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
-  return rows;
 }
 
 template <typename F>
@@ -1931,16 +1931,11 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
   }
   const MmWeight down = weights[2];
   weights.pop_back();
-  const float e = *eps.typed_data();
-  if (dtype == ffi::F32) {
-    mlp_block(pool, static_cast<const float*>(x.untyped_data()),
-              static_cast<const float*>(g.untyped_data()), e, rows, in, weights, down,
-              static_cast<float*>(y->untyped_data()));
-  } else {
-    mlp_block(pool, static_cast<const uint16_t*>(x.untyped_data()),
-              static_cast<const uint16_t*>(g.untyped_data()), e, rows, in, weights, down,
-              static_cast<uint16_t*>(y->untyped_data()));
-  }
+  with_dtype(x, [&](const auto* xs) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(xs)>>;
+    mlp_block(pool, xs, static_cast<const T*>(g.untyped_data()), *eps.typed_data(), rows, in,
+              weights, down, static_cast<T*>(y->untyped_data()));
+  });
   return ffi::Error::Success();
 }
 
