@@ -36,8 +36,8 @@ from treeattn.decode import (
 from treeattn.decode._checks import check_decode
 from treeattn.decode._gpu import visible_lengths
 from treeattn.decode._registry import KERNELS, Call, CudaTarget, host_platform
-from treeattn.models import PackedWeight, RMSNorm, SwiGLU
-from treeattn.models._layers import gated_product, mlp_block
+from treeattn.models import PackedWeight, RMSNorm, RotaryEmbedding, SwiGLU
+from treeattn.models._layers import gated_product, mlp_block, qkv_block
 
 
 S = jax.ShapeDtypeStruct
@@ -271,8 +271,8 @@ def test_one_function_lowers_for_cpu_and_cuda():
 
 @cpu_only
 def test_packed_mlp_and_gate_lower_for_cuda_without_the_cpu_kernel():
-    """A packed model's fused MLP and gate (the C++ kernel on CPU, what a CPU `Decoder` runs)
-    lower for CUDA as their unfused twins, forward and differentiated."""
+    """A packed model's fused MLP, gate and attention inputs (the C++ kernel on CPU, what a
+    CPU `Decoder` runs) lower for CUDA as their unfused twins, forward and differentiated."""
     mlp = SwiGLU(64, 96, key=jax.random.key(0))
     weights = lambda m: (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)  # noqa: E731
     packed = eqx.tree_at(weights, mlp, tuple(PackedWeight.of(w) for w in weights(mlp)))
@@ -280,11 +280,19 @@ def test_packed_mlp_and_gate_lower_for_cuda_without_the_cpu_kernel():
     x = S((8, 64), jnp.float32)
     block = lambda x: mlp_block(x, norm, packed)  # noqa: E731
     gate = lambda x: gated_product(x, packed.gate_proj.weight, packed.up_proj.weight)  # noqa: E731
-    for f in (block, gate, jax.grad(lambda x: jnp.sum(block(x)))):
+    projs = tuple(
+        eqx.nn.Linear(64, o, use_bias=False, key=jax.random.key(o))
+        for o in (64, 32, 32)  # noqa: B023
+    )
+    projs = tuple(eqx.tree_at(lambda p: p.weight, p, PackedWeight.of(p.weight)) for p in projs)
+    heads = lambda x: qkv_block(x, norm, projs, RotaryEmbedding(16), jnp.arange(8))  # noqa: E731
+    for f in (block, gate, heads, jax.grad(lambda x: jnp.sum(block(x)))):
         assert_cuda_program(lower(f, x))
+    assert_cuda_program(lower(jax.grad(lambda x: jnp.sum(heads(x)[1])), x))
     if load_kernel() is None:
         assert "treeattn_cpu_mlp" in custom_calls(lower(block, x, platform="cpu"))
         assert "treeattn_cpu_matmul_gated" in custom_calls(lower(gate, x, platform="cpu"))
+        assert "treeattn_cpu_qkv" in custom_calls(lower(heads, x, platform="cpu"))
 
 
 @cpu_only

@@ -1,5 +1,6 @@
 """The model's matrix product: values, every transform, and the weight read as it lies on CPU."""
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -16,6 +17,7 @@ from treeattn.models import (
     MultiheadAttention,
     PackedWeight,
     RMSNorm,
+    RotaryEmbedding,
     SwiGLU,
     Transformer,
 )
@@ -27,6 +29,8 @@ from treeattn.models._layers import (
     gated_product,
     matmul,
     mlp_block,
+    qkv_block,
+    qkv_fuses,
 )
 
 
@@ -125,6 +129,17 @@ def test_without_the_cpu_kernel_few_float32_rows_are_multiplied_as_columns(rows,
     products = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} dot\(", text)
     assert products, text
     assert (products == [f"128,{rows}"]) == as_columns, products
+
+
+def entry_ops(decoder) -> int:
+    """The operations a decoder's compiled step runs one by one (fusions, calls, copies; not
+    parameters, tuple elements or views)."""
+    text = decoder.compiled_step().as_text()
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    free = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple"}
+    ops = (re.search(r"= \S+ ([\w-]+)\(", line) for line in entry.splitlines()[1:])
+    return sum(1 for m in ops if m and m[1] not in free)
 
 
 def matmul_calls(text: str, target: str = "treeattn_cpu_matmul") -> list[int]:
@@ -409,8 +424,19 @@ def test_a_packed_layer_projects_q_k_v_in_one_call():
     )
     decoder = Transformer(config, key=jax.random.key(0)).decoder(max_len=8)
     text = decoder.compiled_step().as_text()
+    # A layer is six calls and nothing else: its attention inputs, the k and v writes,
+    # attention, the o product, the MLP block (with both residual sums).
+    deeper = dataclasses.replace(config, num_hidden_layers=4)
+    for batch in (None, 8):
+        ops = [
+            entry_ops(Transformer(c, key=jax.random.key(0)).decoder(max_len=8, batch=batch))
+            for c in (config, deeper)
+        ]
+        assert ops[1] - ops[0] == 2 * 6, (batch, ops)
     packed = "treeattn_cpu_matmul_packed"
-    assert sorted(matmul_calls(text, packed)) == sorted([3, 1] * 2 + [1])
+    # Each layer's norm, q, k and v products and rotary are one call; o and the logits.
+    assert matmul_calls(text, "treeattn_cpu_qkv") == [3 + 4] * 2  # x, norm, eps, cos, sin
+    assert matmul_calls(text, packed) == [1] * 3
     # Each layer's MLP (norm, gate and up, silu, down, residual) is one call.
     assert text.count('custom_call_target="treeattn_cpu_mlp"') == 2
     assert matmul_calls(text) == [] and "logistic" not in text and "exponential" not in text
@@ -528,6 +554,15 @@ def test_mlp_block_matches_float64(rows, shape, dtype, getkey):
     for got in (jax.jit(mlp_block)(x, norm, packed), unfused):
         assert got.shape == x.shape and got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
+    # The block's first residual sum folded in: h = x + plus, rounded to x's dtype.
+    plus = (0.01 * jax.random.normal(getkey(), x.shape)).astype(dtype)
+    h = x + plus
+    want = mlp_float64(
+        h, norm.weight, norm.eps, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    )
+    got = jax.jit(mlp_block)(x, norm, packed, plus)
+    assert got.shape == x.shape and got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
 
 
 def test_mlp_block_vmap_derivatives_and_fallback(getkey):
@@ -539,6 +574,20 @@ def test_mlp_block_vmap_derivatives_and_fallback(getkey):
     close = {"rtol": 1e-5, "atol": 1e-5}
     np.testing.assert_allclose(jax.vmap(mlp_block, (0, None, None))(x, norm, packed), want, **close)
     np.testing.assert_array_equal(mlp_block(x, norm, mlp), x + mlp(norm(x)))
+    # With the addend: batched or shared, one call; on arrays the unfused sum.
+    plus = jax.random.normal(getkey(), (3, 2, 32))
+    f = jax.jit(jax.vmap(mlp_block, (0, None, None, 0)))
+    want = jax.vmap(lambda x, p: (x + p) + mlp(norm(x + p)))(x, plus)
+    np.testing.assert_allclose(f(x, norm, packed, plus), want, **close)
+    text = f.lower(x, norm, packed, plus).compile().as_text()
+    assert text.count('custom_call_target="treeattn_cpu_mlp"') == (load_kernel() is None)
+    shared = jax.vmap(mlp_block, (0, None, None, None))(x, norm, packed, plus[0])
+    h = x + plus[0]
+    np.testing.assert_allclose(shared, jax.vmap(lambda h: h + mlp(norm(h)))(h), **close)
+    np.testing.assert_array_equal(mlp_block(x, norm, mlp, plus), (x + plus) + mlp(norm(x + plus)))
+    g = jax.grad(lambda p: jnp.sum(jnp.sin(mlp_block(x[0], norm, packed, p))))(plus[0])
+    r = jax.grad(lambda p: jnp.sum(jnp.sin((x[0] + p) + mlp(norm(x[0] + p)))))(plus[0])
+    np.testing.assert_allclose(g, r, **close)
     f = lambda x, m: jnp.sum(jnp.sin(mlp_block(x, norm, m)))  # noqa: E731
     gx, gm = jax.grad(f, argnums=(0, 1))(x[0], packed)
     rx, rm = jax.grad(lambda x, m: jnp.sum(jnp.sin(x + m(norm(x)))), argnums=(0, 1))(x[0], mlp)
@@ -552,3 +601,184 @@ def test_mlp_block_vmap_derivatives_and_fallback(getkey):
         atol=2e-2,
         rtol=2e-2,
     )
+
+
+def qkv_float64(x, g, eps, ws, inv_freq, positions):
+    """The q, k and v of RMSNorm(x), q and k rotated ("rotate half") at `positions`."""
+    x = np.asarray(x, np.float64)
+    n = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(g, np.float64)
+    q, k, v = (n @ np.asarray(w, np.float64).T for w in ws)
+    # The angles as the model forms them, in float32 (at position 5000 their rounding is
+    # ~2e-4 rad, beyond float32's tolerance on the rotated values).
+    angle = np.asarray(positions, np.float32)[..., None] * inv_freq.astype(np.float32)
+    angle = angle.astype(np.float64)  # [*rows, d / 2]
+    c, s = np.cos(angle)[..., None, :], np.sin(angle)[..., None, :]
+
+    def turn(y):
+        heads = y.reshape(*y.shape[:-1], -1, 2 * inv_freq.shape[0])
+        a, b = np.split(heads, 2, axis=-1)
+        return np.concatenate([a * c - b * s, b * c + a * s], -1).reshape(y.shape)
+
+    return turn(q), turn(k), v
+
+
+def packed_qkv(n, heads, kv_heads, d, dtype, key):
+    """An RMSNorm, q/k/v projections of random weights (as arrays and packed) and a rotary."""
+    k1, k2 = jax.random.split(key)
+    outs = (heads * d, kv_heads * d, kv_heads * d)
+    projs = tuple(
+        eqx.nn.Linear(n, o, use_bias=False, dtype=dtype, key=k)
+        for o, k in zip(outs, jax.random.split(k1, 3), strict=True)
+    )
+    norm = eqx.tree_at(
+        lambda m: m.weight,
+        RMSNorm(n, 1e-5, dtype=dtype),
+        (1 + 0.3 * jax.random.normal(k2, (n,))).astype(dtype),
+    )
+    packed = tuple(eqx.tree_at(lambda p: p.weight, p, PackedWeight.of(p.weight)) for p in projs)
+    return norm, projs, packed, RotaryEmbedding(d, 500.0)
+
+
+def unfused_qkv(x, norm, projs, rotary, positions):
+    """The same as `MultiheadAttention` computes it unfused: norm, products, rotation."""
+    q, k, v = apply_linears(projs, norm(x))
+    d = rotary.dim
+    angles = rotary.angles(positions.reshape(-1))
+    angles = tuple(a.reshape(*x.shape[:-1], d) for a in angles)
+
+    def turn(y):
+        heads = y.reshape(-1, y.shape[-1] // d, d)
+        flat = tuple(a.reshape(-1, d) for a in angles)
+        return rotary.rotate(heads, flat).reshape(y.shape)
+
+    return turn(q), turn(k), v
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "shape", [(20, 2, 1, 8), (64, 4, 2, 16), (256, 4, 1, 64), (96, 3, 3, 32)], ids=str
+)
+@pytest.mark.parametrize("rows", [(1,), (8,), (2, 5), (33,)])
+def test_qkv_block_matches_float64(rows, shape, dtype, getkey):
+    """A pre-norm attention's inputs (norm, q/k/v products, rotary) in one call on packed
+    weights: against float64, as close as the unfused form on the arrays (positions far
+    apart; heads of 8 to 64, widths not a multiple of a vector)."""
+    n, heads, kv_heads, d = shape
+    norm, projs, packed, rotary = packed_qkv(n, heads, kv_heads, d, dtype, getkey())
+    x = jax.random.normal(getkey(), (*rows, n)).astype(dtype)
+    positions = jax.random.randint(getkey(), rows, 0, 5000)
+    assert qkv_fuses(x, norm, packed, rotary) and not qkv_fuses(x, norm, projs, rotary)
+    ws = tuple(p.weight for p in projs)
+    want = qkv_float64(x, norm.weight, norm.eps, ws, rotary.inv_freq(), positions)
+    fused = eqx.filter_jit(qkv_block)(x, norm, packed, rotary, positions)
+    unfused = eqx.filter_jit(unfused_qkv)(x, norm, projs, rotary, positions)
+    for got in (fused, unfused):
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and g.dtype == dtype
+            atol = TOL[dtype] * np.abs(w).max()
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=atol)
+
+
+def test_qkv_block_vmap_stack_and_derivatives(getkey):
+    """Rows batched with their own positions over shared weights stay one call, a layer of a
+    stack is read in place, an ensemble of weights is one product per member; derivatives
+    are the unfused form's."""
+    norm, projs, packed, rotary = packed_qkv(32, 4, 2, 8, jnp.float32, getkey())
+    x = jax.random.normal(getkey(), (3, 2, 32))
+    pos = jnp.array([[7, 8], [300, 301], [0, 1]])
+    want = jax.vmap(unfused_qkv, (0, None, None, None, 0))(x, norm, projs, rotary, pos)
+    close = {"rtol": 2e-5, "atol": 2e-5}
+    rows = jax.vmap(qkv_block, (0, None, None, None, 0))
+    f = jax.jit(lambda x, pos: rows(x, norm, packed, rotary, pos))
+    got = f(x, pos)
+    text = f.lower(x, pos).compile().as_text()
+    assert text.count('custom_call_target="treeattn_cpu_qkv"') == (load_kernel() is None)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, **close)
+    # A shared position for every row (not batched) and the second layer of a stack.
+    stacked = tuple(
+        eqx.tree_at(
+            lambda p: p.weight,
+            p,
+            PackedWeight(jax.vmap(PackedWeight.of)(jnp.stack([w * 2, w])).panels, w.shape[0], 1),
+        )
+        for p, w in zip(projs, (p.weight for p in projs), strict=True)
+    )
+    shared = jax.vmap(qkv_block, (0, None, None, None, None))(x, norm, stacked, rotary, pos[1])
+    ref = jax.vmap(unfused_qkv, (0, None, None, None, None))(x, norm, projs, rotary, pos[1])
+    for a, b in zip(shared, ref, strict=True):
+        np.testing.assert_allclose(a, b, **close)
+    # An ensemble: weights batched too.
+    members = jax.vmap(lambda k: packed_qkv(32, 4, 2, 8, jnp.float32, k)[2])(
+        jax.random.split(getkey(), 3)
+    )
+    got = jax.vmap(qkv_block, (0, None, 0, None, 0))(x, norm, members, rotary, pos)
+    for i in range(3):
+        member = jax.tree.map(lambda a: a[i], members)  # noqa: B023
+        arrays = tuple(
+            eqx.tree_at(lambda p: p.weight, p, p.weight.unpack())  # noqa: B023
+            for p in member
+        )
+        for a, b in zip(got, unfused_qkv(x[i], norm, arrays, rotary, pos[i]), strict=True):
+            np.testing.assert_allclose(a[i], b, **close)
+
+    def loss(f, projs):
+        return lambda x: sum(jnp.sum(jnp.sin(y)) for y in f(x, norm, projs, rotary, pos[1]))
+
+    gx = jax.grad(loss(qkv_block, packed))(x[0])
+    np.testing.assert_allclose(gx, jax.grad(loss(unfused_qkv, projs))(x[0]), **close)
+    check_grads(
+        lambda x: qkv_block(x, norm, packed, rotary, pos[1]),
+        (x[0],),
+        order=1,
+        modes=["fwd", "rev"],
+        atol=2e-2,
+        rtol=2e-2,
+    )
+
+
+def test_qkv_block_refuses_what_it_does_not_fuse(getkey):
+    norm, projs, packed, rotary = packed_qkv(32, 4, 2, 8, jnp.float32, getkey())
+    x, pos = jnp.ones((2, 32)), jnp.arange(2)
+    biased = (eqx.tree_at(lambda p: p.bias, packed[0], jnp.ones(32), is_leaf=lambda b: b is None),)
+    for args in (
+        (x, norm, projs, rotary),  # weights as arrays
+        (x.astype(jnp.bfloat16), norm, packed, rotary),  # dtypes differ
+        (x, norm, biased + packed[1:], rotary),  # a bias
+        (x, norm, packed, RotaryEmbedding(12)),  # heads of 8, angles of 12
+        (x, lambda y: y, packed, rotary),  # not an RMSNorm
+    ):
+        assert not qkv_fuses(*args)
+        with pytest.raises(ValueError, match="qkv_block: an RMSNorm, three projections"):
+            qkv_block(*args, pos)
+
+
+def test_attention_with_norm_is_attention_of_the_normed_input(getkey):
+    """`MultiheadAttention(..., norm=)`: the layer over norm(x), fused on packed weights or
+    not, with a cache and without; refused for cross-attention."""
+    layer = MultiheadAttention(
+        4, 32, qk_size=8, vo_size=8, num_kv_heads=2, causal=True,
+        rotary=RotaryEmbedding(8), use_query_bias=False, use_key_bias=False,
+        use_value_bias=False, use_output_bias=False, key=getkey(),
+    )  # fmt: skip
+    names = ("query_proj", "key_proj", "value_proj")
+    packed = eqx.tree_at(
+        lambda m: tuple(getattr(m, n).weight for n in names),
+        layer,
+        tuple(PackedWeight.of(getattr(layer, n).weight) for n in names),
+    )
+    norm = eqx.tree_at(lambda m: m.weight, RMSNorm(32), 1 + jax.random.normal(getkey(), (32,)))
+    x = jax.random.normal(getkey(), (5, 32))
+    h = norm(x)
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    np.testing.assert_allclose(layer(x, x, x, norm=norm), layer(h, h, h), **close)
+    np.testing.assert_allclose(packed(x, x, x, norm=norm), layer(h, h, h), **close)
+    cache = layer.init_cache(8)
+    want, want_cache = layer(h, h, h, cache=cache)
+    for m in (layer, packed):
+        got, got_cache = jax.jit(lambda x, c, m=m: m(x, x, x, cache=c, norm=norm))(x, cache)
+        np.testing.assert_allclose(got, want, **close)
+        np.testing.assert_allclose(got_cache.k, want_cache.k, **close)
+        np.testing.assert_allclose(got_cache.v, want_cache.v, **close)
+    with pytest.raises(ValueError, match="norm= is a pre-norm of self-attention"):
+        layer(x, h, h, norm=norm)

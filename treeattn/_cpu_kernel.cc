@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -1849,22 +1850,23 @@ void matmul_gated(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t in,
   });
 }
 
-// A pre-norm block's MLP in one call, y = x + W_d(silu(W_g n) * W_u n) with n = RMSNorm(x):
-// the norm on the calling thread in float32, rounded to T as RMSNorm rounds (x / rms(x), then
-// times its weight), the gated product, the down product, the residual sum rounded to T.
+// Rows per block of the row-wise passes (norm, residual): about 2^14 elements, so a decode
+// step's few rows are one block, on the calling thread.
+inline int64_t rows_per_block(int64_t in) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(in, 1));
+}
+
+// n = RMSNorm(x) with weight g, row by row: the statistics in float32, rounded to T as
+// RMSNorm rounds (x / rms(x), then times its weight).
 template <typename T>
-void mlp_block(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int64_t rows,
-               int64_t in, std::vector<MmWeight>& gated, MmWeight down, T* y) {
-  std::vector<T> normed(rows * in), act(rows * gated[0].out), sum(rows * in);
-  // Rows in blocks of about kGateBlock elements (one block, on the caller, for a decode step).
-  const int64_t per = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(in, 1));
-  const int64_t blocks = (rows + per - 1) / per;
-  const int64_t whole = in / kLanes * kLanes;
+void rms_norm_rows(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int64_t rows,
+                   int64_t in, T* n) {
+  const int64_t per = rows_per_block(in), whole = in / kLanes * kLanes;
   const T* tag = nullptr;
-  parallel_for(pool, blocks, [&](int64_t b) {
+  parallel_for(pool, (rows + per - 1) / per, [&](int64_t b) {
     for (int64_t r = b * per; r < std::min(rows, (b + 1) * per); ++r) {
       const T* xr = x + r * in;
-      T* nr = normed.data() + r * in;
+      T* nr = n + r * in;
       vf32 acc{};
       for (int64_t i = 0; i < whole; i += kLanes) acc += vload(xr + i) * vload(xr + i);
       float ss = hsum(acc);
@@ -1879,12 +1881,31 @@ void mlp_block(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int64_t
       }
     }
   });
+}
+
+// A pre-norm block's MLP in one call, y = h + W_d(silu(W_g n) * W_u n) with n = RMSNorm(h),
+// h = x, or x + a rounded to T (the block's first residual sum, where a is not null): the
+// norm (rms_norm_rows), the gated product, the down product, the residual sum rounded to T.
+template <typename T>
+void mlp_block(ffi::ThreadPool& pool, const T* x, const T* a, const T* g, float eps,
+               int64_t rows, int64_t in, std::vector<MmWeight>& gated, MmWeight down, T* y) {
+  std::vector<T> normed(rows * in), act(rows * gated[0].out), sum(rows * in);
+  std::vector<T> h(a ? rows * in : 0);
+  if (a) {
+    const int64_t n = rows * in;
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) vstore(h.data() + i, vload(x + i) + vload(a + i));
+    for (; i < n; ++i) store(h.data() + i, load(x + i) + load(a + i));
+    x = h.data();
+  }
+  rms_norm_rows(pool, x, g, eps, rows, in, normed.data());
   gated[0].y = act.data();
   matmul_gated(pool, normed.data(), rows, in, gated);
   down.y = sum.data();
   std::vector<MmWeight> d{down};
   matmul_packed(pool, act.data(), rows, gated[0].out, d);
-  parallel_for(pool, blocks, [&](int64_t b) {
+  const int64_t per = rows_per_block(in);
+  parallel_for(pool, (rows + per - 1) / per, [&](int64_t b) {
     const int64_t i0 = b * per * in, i1 = std::min(rows, (b + 1) * per) * in;
     int64_t i = i0;
     for (; i + kLanes <= i1; i += kLanes) vstore(y + i, vload(x + i) + vload(sum.data() + i));
@@ -1892,9 +1913,59 @@ void mlp_block(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int64_t
   });
 }
 
-// x [..., in], the norm's weight [in] (x's dtype) and eps (float32 []), then the packed gate,
-// up ([hidden, in]) and down ([in, hidden]) weights, as MatmulPacked takes them, to
-// y [..., in] = x + down(silu(gate n) * up n), n = RMSNorm(x).
+// Rotary embedding in place: each head of `width` elements of each row of y [rows, width],
+// its pairs (a, b) = (y[i], y[i + d/2]) turned to (a c - b s, b c + a s) with c, s the first
+// half of the row's cos and sin tables [rows, d] (each angle twice, as RotaryEmbedding.angles
+// gives them), in float32 from the stored values, rounded to T once.
+template <typename T>
+void rotate_rows(T* y, int64_t rows, int64_t width, int64_t d, const float* cos,
+                 const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int64_t h0 = 0; h0 < width; h0 += d) {
+      T* a = y + r * width + h0;
+      T* b = a + half;
+      int64_t i = 0;
+      for (; i + kLanes <= half; i += kLanes) {
+        const vf32 av = vload(a + i), bv = vload(b + i), cv = vload(c + i), sv = vload(s + i);
+        vstore(a + i, av * cv - bv * sv);
+        vstore(b + i, bv * cv + av * sv);
+      }
+      for (; i < half; ++i) {
+        const float av = load(a + i), bv = load(b + i);
+        store(a + i, av * c[i] - bv * s[i]);
+        store(b + i, bv * c[i] + av * s[i]);
+      }
+    }
+  }
+}
+
+// A pre-norm attention's inputs in one call: n = RMSNorm(x) (rms_norm_rows), then q, k, v =
+// n W_q^T, n W_k^T, n W_v^T (one packed product, rounded to T), then q and k turned by the
+// rows' rotary angles (rotate_rows, heads of d).
+template <typename T>
+void qkv_block(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int64_t rows,
+               int64_t in, const float* cos, const float* sin, int64_t d,
+               std::vector<MmWeight>& weights) {
+  std::vector<T> normed(rows * in);
+  rms_norm_rows(pool, x, g, eps, rows, in, normed.data());
+  matmul_packed(pool, normed.data(), rows, in, weights);
+  const int64_t per = rows_per_block(weights[0].out + weights[1].out);
+  parallel_for(pool, (rows + per - 1) / per, [&](int64_t b) {
+    const int64_t r0 = b * per, nr = std::min(rows, r0 + per) - r0;
+    for (int j = 0; j < 2; ++j) {
+      const int64_t w = weights[j].out;
+      rotate_rows(static_cast<T*>(weights[j].y) + r0 * w, nr, w, d, cos + r0 * d, sin + r0 * d);
+    }
+  });
+}
+
+// x [..., in], the norm's weight [in] (x's dtype) and eps (float32 []), then optionally a of
+// x's shape and dtype, then the packed gate, up ([hidden, in]) and down ([in, hidden])
+// weights, as MatmulPacked takes them, to y [..., in] = h + down(silu(gate n) * up n),
+// n = RMSNorm(h), h = x (+ a).
 ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
                     ffi::Buffer<ffi::F32> eps, ffi::RemainingArgs ws,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> layers) {
@@ -1902,16 +1973,21 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
   const auto xd = x.dimensions();
   const auto dtype = x.element_type();
   const int64_t in = xd.size() ? xd.back() : 0, rows = leading_rows(x);
-  if (xd.size() < 1 || (dtype != ffi::F32 && dtype != ffi::BF16) || ws.size() != 3 ||
+  const size_t first = ws.size() == 4 ? 1 : 0;  // the weights after the optional addend
+  std::optional<ffi::AnyBuffer> a;
+  if (first) a = ws.get<ffi::AnyBuffer>(0).value();
+  if (xd.size() < 1 || (dtype != ffi::F32 && dtype != ffi::BF16) || ws.size() != 3 + first ||
+      (a && (a->element_type() != dtype || a->element_count() != x.element_count())) ||
       layers.size() != 3 || g.element_type() != dtype ||
       static_cast<int64_t>(g.element_count()) != in || eps.element_count() != 1 ||
       y->element_type() != dtype || y->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument(
         who + ": x [..., in] (float32 or bfloat16), the norm's weight [in] of x's dtype and "
-              "eps, then the gate, up and down weights; the result as x");
+              "eps, then optionally an addend as x, then the gate, up and down weights; the "
+              "result as x");
   }
-  auto gw = ws.get<ffi::AnyBuffer>(0), uw = ws.get<ffi::AnyBuffer>(1);
-  auto dw = ws.get<ffi::AnyBuffer>(2);
+  auto gw = ws.get<ffi::AnyBuffer>(first), uw = ws.get<ffi::AnyBuffer>(first + 1);
+  auto dw = ws.get<ffi::AnyBuffer>(first + 2);
   if (!gw.has_value() || !uw.has_value() || !dw.has_value()) {
     return ffi::Error::InvalidArgument(who + ": weights are buffers");
   }
@@ -1933,8 +2009,9 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
   weights.pop_back();
   with_dtype(x, [&](const auto* xs) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(xs)>>;
-    mlp_block(pool, xs, static_cast<const T*>(g.untyped_data()), *eps.typed_data(), rows, in,
-              weights, down, static_cast<T*>(y->untyped_data()));
+    const T* as = a ? static_cast<const T*>(a->untyped_data()) : nullptr;
+    mlp_block(pool, xs, as, static_cast<const T*>(g.untyped_data()), *eps.typed_data(), rows,
+              in, weights, down, static_cast<T*>(y->untyped_data()));
   });
   return ffi::Error::Success();
 }
@@ -1962,6 +2039,51 @@ ffi::Error MatmulGated(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
 }
 
 
+// x [..., in], the norm's weight [in] (x's dtype) and eps (float32 []), the rotary tables cos
+// and sin (float32 [..., d], a row per row of x), then the packed q, k and v weights (as
+// MatmulPacked takes them) to q, k, v [..., out_j] of x's dtype: the projections of
+// n = RMSNorm(x), q and k rotated in heads of d.
+ffi::Error QkvBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
+                    ffi::Buffer<ffi::F32> eps, ffi::Buffer<ffi::F32> cos,
+                    ffi::Buffer<ffi::F32> sin, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                    ffi::Span<const int64_t> layers) {
+  const std::string who = "treeattn_cpu_qkv";
+  const auto xd = x.dimensions(), cd = cos.dimensions();
+  const auto dtype = x.element_type();
+  const int64_t in = xd.size() ? xd.back() : 0, rows = leading_rows(x);
+  const int64_t d = cd.size() ? cd.back() : 0;
+  std::vector<MmResult> results;
+  for (size_t j = 0; j < ys.size(); ++j) {
+    auto y = ys.get<ffi::AnyBuffer>(j);
+    if (!y.has_value()) return ffi::Error::InvalidArgument(who + ": results are buffers");
+    // [..., out] or [..., heads, d]: a row's outputs are its elements over x's rows.
+    const int64_t count = static_cast<int64_t>((*y)->element_count());
+    results.push_back({(*y)->untyped_data(), rows > 0 ? count / rows : 0,
+                       (*y)->element_type(), count});
+  }
+  const bool heads_ok = d > 0 && d % 2 == 0 && results.size() == 3 &&
+                        results[0].out % d == 0 && results[1].out % d == 0;
+  if (xd.size() < 1 || (dtype != ffi::F32 && dtype != ffi::BF16) || ws.size() != 3 ||
+      g.element_type() != dtype || static_cast<int64_t>(g.element_count()) != in ||
+      eps.element_count() != 1 || !heads_ok ||
+      static_cast<int64_t>(cos.element_count()) != rows * d ||
+      static_cast<int64_t>(sin.element_count()) != rows * d) {
+    return ffi::Error::InvalidArgument(
+        who + ": x [..., in] (float32 or bfloat16), the norm's weight [in] of x's dtype and "
+              "eps, the rotary tables cos and sin [..., d] (a row per row of x, d even), then "
+              "the q, k and v weights; q and k of whole heads of d");
+  }
+  std::vector<MmWeight> weights;
+  const std::string bad = packed_operands(who, x, ws, results, layers, weights);
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  with_dtype(x, [&](const auto* xs) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(xs)>>;
+    qkv_block(pool, xs, static_cast<const T*>(g.untyped_data()), *eps.typed_data(), rows, in,
+              cos.typed_data(), sin.typed_data(), d, weights);
+  });
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Slice writes into a KV cache: y = x with update[r] at starts[r], for each r
 // ---------------------------------------------------------------------------------------------
@@ -1973,16 +2095,21 @@ ffi::Error MatmulGated(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
 // (of any dtype of whole bytes) are one call, where slice updates would be an operation each.
 // Starts are clamped so that each update fits, as in XLA's dynamic-update-slice.
 
+// The updates come as rows of their elements, [rows, prod(dims')], their shape [rows, *dims']
+// an attribute: reshaped to the buffer's rank (unit axes added), XLA:CPU copied them first.
 ffi::Error Write(ffi::AnyBuffer buffer, ffi::AnyBuffer updates, ffi::Buffer<ffi::S32> starts,
-                 ffi::Result<ffi::AnyBuffer> out) {
-  const auto bd = buffer.dimensions(), ud = updates.dimensions(), sd = starts.dimensions();
+                 ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> ud) {
+  const auto bd = buffer.dimensions(), sd = starts.dimensions();
   const size_t rank = bd.size();
+  int64_t elements = 1;
+  for (const int64_t e : ud) elements *= e;
   if (ud.size() != rank + 1 || sd.size() != 2 || sd[0] != ud[0] ||
+      static_cast<int64_t>(updates.element_count()) != elements ||
       sd[1] != static_cast<int64_t>(rank) || updates.element_type() != buffer.element_type() ||
       out->element_type() != buffer.element_type()) {
     return ffi::Error::InvalidArgument(
-        "treeattn_cpu_write: buffer [*dims], updates [rows, *dims'] of its dtype, starts "
-        "[rows, rank]");
+        "treeattn_cpu_write: buffer [*dims], updates of its dtype, their shape [rows, *dims'] "
+        "(attribute dims), starts [rows, rank]");
   }
   const int64_t size = static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
   char* dst = static_cast<char*>(out->untyped_data());
@@ -2085,9 +2212,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuMlp, MlpBlock,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("layers"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuQkv, QkvBlock,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("layers"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreeattnCpuWrite, Write,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("dims"));

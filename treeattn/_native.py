@@ -51,6 +51,8 @@ GATED_TARGET = "treeattn_cpu_matmul_gated"
 GATED_SYMBOL = "TreeattnCpuMatmulGated"
 MLP_TARGET = "treeattn_cpu_mlp"
 MLP_SYMBOL = "TreeattnCpuMlp"
+QKV_TARGET = "treeattn_cpu_qkv"
+QKV_SYMBOL = "TreeattnCpuQkv"
 # Output rows per panel of a packed weight (`kPanel` in the kernel).
 PANEL = 16
 WRITE_TARGET = "treeattn_cpu_write"
@@ -342,6 +344,7 @@ def load_kernel() -> str | None:
             (PACKED_TARGET, PACKED_SYMBOL),
             (GATED_TARGET, GATED_SYMBOL),
             (MLP_TARGET, MLP_SYMBOL),
+            (QKV_TARGET, QKV_SYMBOL),
             (WRITE_TARGET, WRITE_SYMBOL),
         ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))

@@ -17,7 +17,7 @@ from .._numerics import Dims, Window, check_window, visibility
 from ..decode import AttentionBackend, AttentionName, cache_layout
 from ..energy import Energy, LinearKernel, Softmax, received_attention
 from ._cache import Cache, KVCache, LinearCache
-from ._layers import RMSNorm, RotaryEmbedding, apply_linear, apply_linears
+from ._layers import RMSNorm, RotaryEmbedding, apply_linear, apply_linears, qkv_block, qkv_fuses
 
 
 SOFTMAX = Softmax()
@@ -200,25 +200,15 @@ class MultiheadAttention(eqx.Module):
             ys = tuple(apply_linear(p, x) for p, x in zip(projs, (query, key_, value), strict=True))
         return tuple(y.reshape(y.shape[0], h, -1) for y, h in zip(ys, heads, strict=True))
 
-    def _heads(self, query, key_, value, *, process_heads=None, cache=None, segment_ids=None):
-        """The heads attention reads, as every call makes them: projected, in one dtype, through
-        the q/k norms and `process_heads`, rotated at their absolute positions. Also returns
-        that dtype, the queries' offset and the documents of a packed row (`[1, seq]`, or
-        None). The one place a call forms its heads (`Transformer.attention_inputs` too)."""
+    def _heads(
+        self, query, key_, value, *, process_heads=None, cache=None, segment_ids=None, norm=None
+    ):
+        """The heads attention reads, as every call makes them: projected (from `norm(x)` when
+        `norm` is given: self-attention of one `x`), in one dtype, through the q/k norms and
+        `process_heads`, rotated at their absolute positions. Also returns that dtype, the
+        queries' offset and the documents of a packed row (`[1, seq]`, or None). The one place
+        a call forms its heads (`Transformer.attention_inputs` too)."""
         q_seq, kv_seq = query.shape[0], key_.shape[0]
-        q, k, v = self._project(query, key_, value)
-        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
-        with jax.numpy_dtype_promotion("standard"):
-            heads_dtype = jnp.result_type(q, k, v)
-        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
-        if self.query_norm is not None and self.key_norm is not None:
-            with jax.numpy_dtype_promotion("standard"):
-                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
-        if process_heads is not None:
-            shapes = (q.shape, k.shape, v.shape)
-            q, k, v = process_heads(q, k, v)
-            if (q.shape, k.shape, v.shape) != shapes:
-                raise ValueError("process_heads must not change the shape of the heads.")
         # Absolute positions: after a cache of n tokens the new ones are n, n+1, ...; without a
         # cache the queries are the last q_seq positions of the key sequence (bottom-right).
         if cache is None:
@@ -233,6 +223,33 @@ class MultiheadAttention(eqx.Module):
             segment_ids = _check_segment_ids(segment_ids, q_seq, kv_seq, cache)
             k_pos = q_pos = positions_in_segments(segment_ids)
             packed = segment_ids[None]
+        projs = (self.query_proj, self.key_proj, self.value_proj)
+        if norm is not None:
+            if (
+                process_heads is None
+                and self.query_norm is None
+                and qkv_fuses(query, norm, projs, self.rotary)
+            ):
+                # The norm, the three projections and the rotation in one call (packed weights).
+                assert self.rotary is not None
+                q, k, v = qkv_block(query, norm, projs, self.rotary, q_pos)
+                heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+                q, k, v = (y.reshape(q_seq, h, -1) for y, h in zip((q, k, v), heads, strict=True))
+                return q, k, v, q.dtype, q_offset, packed
+            query = key_ = value = norm(query)
+        q, k, v = self._project(query, key_, value)
+        # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
+        with jax.numpy_dtype_promotion("standard"):
+            heads_dtype = jnp.result_type(q, k, v)
+        q, k, v = q.astype(heads_dtype), k.astype(heads_dtype), v.astype(heads_dtype)
+        if self.query_norm is not None and self.key_norm is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                q, k = self.query_norm(q).astype(heads_dtype), self.key_norm(k).astype(heads_dtype)
+        if process_heads is not None:
+            shapes = (q.shape, k.shape, v.shape)
+            q, k, v = process_heads(q, k, v)
+            if (q.shape, k.shape, v.shape) != shapes:
+                raise ValueError("process_heads must not change the shape of the heads.")
         if self.rotary is not None:
             # Self-attention's queries and keys sit at the same positions: one set of angles.
             q_angles = self.rotary.angles(q_pos)
@@ -272,6 +289,7 @@ class MultiheadAttention(eqx.Module):
         cache: Cache | None = None,
         backend: AttentionName | AttentionBackend | None = None,
         segment_ids: Int[Array, " seq"] | None = None,
+        norm: Callable[[Array], Array] | None = None,
     ) -> Float[Array, "q_seq o_size"] | tuple[Float[Array, "q_seq o_size"], Cache]:
         """**Arguments:** as `equinox.nn.MultiheadAttention.__call__` (`query`, `key_`, `value`,
         `mask`, `key`, `inference`, `deterministic`, `process_heads`), plus `cache` (the KV cache
@@ -281,7 +299,11 @@ class MultiheadAttention(eqx.Module):
         to in constant time), `backend` (overrides the layer's; a linear state runs the same
         on every backend) and `segment_ids` (packed sequences, self-attention without a
         cache: integer document ids `[seq]`, each document contiguous; a query sees only the
-        keys of its own document, and rotary positions restart at 0 in each).
+        keys of its own document, and rotary positions restart at 0 in each) and `norm` (a
+        pre-norm block's norm, self-attention only: the heads are projected from `norm(x)`
+        for `query = key_ = value = x`; with an [`RMSNorm`][treeattn.models.RMSNorm], packed
+        weights (a [`Decoder`][treeattn.models.Decoder]'s) and a rotary embedding, the norm,
+        the three projections and the rotation are one call of treeattn's C++ kernel on CPU).
 
         **Returns:** `[q_seq, output_size]`, or `(output, new_cache)` when `cache` is given.
         """
@@ -296,9 +318,20 @@ class MultiheadAttention(eqx.Module):
         if value.shape[0] != kv_seq:
             raise ValueError("key and value must both be sequences of equal length.")
         check_layer_mask(mask, q_seq, kv_seq, self.num_heads)
+        if norm is not None and not (query is key_ and key_ is value):
+            raise ValueError(
+                "MultiheadAttention: norm= is a pre-norm of self-attention; pass one array as "
+                f"query, key_ and value (got shapes {query.shape}, {key_.shape}, {value.shape})"
+            )
         be = self.backend if backend is None else AttentionBackend.of(backend)
         q, k, v, heads_dtype, q_offset, packed = self._heads(
-            query, key_, value, process_heads=process_heads, cache=cache, segment_ids=segment_ids
+            query,
+            key_,
+            value,
+            process_heads=process_heads,
+            cache=cache,
+            segment_ids=segment_ids,
+            norm=norm,
         )
         # Equinox's rule: dropout is off in inference and for a Python rate of 0; a rate held
         # as an array (possibly traced) is applied as it is.

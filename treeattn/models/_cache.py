@@ -458,7 +458,11 @@ class KVCache(eqx.Module):
         if n > self.max_len:
             raise ValueError(_overflow_message(n, None, self.max_len))
         overflow = self.length + n > self.max_len
-        if self.layout == "bhsd":
+        if self.layout == "bhsd" and n == 1:
+            # One token: the same as the swap below, but XLA:CPU copied the swap of the unit
+            # axis (a decode step's k and v, every layer) where a reshape is free.
+            k, v = k.reshape(heads, 1, qk), v.reshape(heads, 1, vo)
+        elif self.layout == "bhsd":
             k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # the new tokens only
         k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
         if self.devices == 1:
@@ -610,10 +614,13 @@ def _write_slices(buffer, updates, starts):
 
 
 def _native_write(buffer, updates, starts):
-    # The result is the buffer itself (aliased): XLA:CPU writes only the updates' bytes.
+    # The result is the buffer itself (aliased): XLA:CPU writes only the updates' bytes. The
+    # updates go as rows of elements, their shape an attribute: reshaped with unit axes (one
+    # token's keys), XLA:CPU copied them first.
     out = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
+    dims = np.array(updates.shape, np.int64)
     return jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0})(
-        buffer, updates, starts.astype(jnp.int32)
+        buffer, updates.reshape(updates.shape[0], -1), starts.astype(jnp.int32), dims=dims
     )
 
 

@@ -17,6 +17,7 @@ from .._native import (
     MLP_TARGET,
     PACKED_TARGET,
     PANEL,
+    QKV_TARGET,
     load_kernel,
 )
 
@@ -501,14 +502,19 @@ class RotaryEmbedding(eqx.Module):
     ) -> Float[Array, "seq heads dim"]:
         r"""`x` turned by `angles` (from `angles(positions)`), in `x`'s dtype: the pairs
         $(x_1, x_2) \to (x_1 c - x_2 s, x_2 c + x_1 s)$, computed in float32."""
-        # Each half computed apart and the two stacked on an axis of 2: one fusion per tensor on
-        # XLA:CPU. The same values as x c + (-x_2, x_1) s, whose concatenation of the halves is
-        # an operation of its own (and a flip of the axis runs 2-7x slower): a decode step of
-        # queries and keys runs 6 fewer operations per layer.
-        x1, x2 = _halves(x.astype(jnp.float32))
-        (c1, c2), (s1, s2) = (_halves(a[:, None, :]) for a in angles)
-        turned = jnp.stack([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], axis=-2)
-        return turned.reshape(x.shape).astype(x.dtype)
+        return _rotate(x, angles)
+
+
+def _rotate(x: Float[Array, "*seq heads dim"], angles) -> Float[Array, "*seq heads dim"]:
+    """`RotaryEmbedding.rotate` over any leading axes (angles `[*seq, dim]`)."""
+    # Each half computed apart and the two stacked on an axis of 2: one fusion per tensor on
+    # XLA:CPU. The same values as x c + (-x_2, x_1) s, whose concatenation of the halves is an
+    # operation of its own (and a flip of the axis runs 2-7x slower): a decode step of queries
+    # and keys runs 6 fewer operations per layer.
+    x1, x2 = _halves(x.astype(jnp.float32))
+    (c1, c2), (s1, s2) = (_halves(a[..., None, :]) for a in angles)
+    turned = jnp.stack([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], axis=-2)
+    return turned.reshape(x.shape).astype(x.dtype)
 
 
 def _halves(x: Float[Array, "*lead dim"]) -> tuple[Array, Array]:
@@ -550,48 +556,54 @@ class SwiGLU(eqx.Module):
         return apply_linear(self.down_proj, act)
 
 
-def _mlp_reference(x, g, eps, wg, wu, wd):
-    r"""A pre-norm block's MLP and residual unfused, $x + W_d\,\mathrm{gate}(\mathrm{RMSNorm}(x))$
-    (differentiable, every platform)."""
+def _mlp_reference(xs, g, eps, wg, wu, wd):
+    r"""A pre-norm block's MLP and residual unfused, $h + W_d\,\mathrm{gate}(\mathrm{RMSNorm}(h))$
+    with $h$ the sum of `xs` (one array, or the residual stream and what attention added;
+    differentiable, every platform)."""
+    x = xs[0] if len(xs) == 1 else xs[0] + xs[1]
     return x + _matmuls(_gated_reference(_rms_norm(x, g, eps), wg, wu), (wd,))[0]
 
 
-def _mlp_native(x, g, eps, wg, wu, wd):
-    """The block by treeattn's C++ kernel in one call: the norm, the gated product, the down
-    product and the residual (one call where XLA:CPU ran eight operations per layer)."""
-    rows = x.reshape(-1, x.shape[-1])
+def _mlp_native(xs, g, eps, wg, wu, wd):
+    """The block by treeattn's C++ kernel in one call: the sum of `xs`, the norm, the gated
+    product, the down product and the residual (one call where XLA:CPU ran nine operations
+    per layer)."""
+    rows = tuple(x.reshape(-1, x.shape[-1]) for x in xs)
     layers = np.array([-1 if w.layer is None else w.layer for w in (wg, wu, wd)], np.int64)
-    out = jax.ShapeDtypeStruct(rows.shape, x.dtype)
+    out = jax.ShapeDtypeStruct(rows[0].shape, xs[0].dtype)
     y = jax.ffi.ffi_call(MLP_TARGET, out)(
-        rows, g, eps, wg.panels, wu.panels, wd.panels, layers=layers
+        rows[0], g, eps, *rows[1:], wg.panels, wu.panels, wd.panels, layers=layers
     )
-    return y.reshape(x.shape)
+    return y.reshape(xs[0].shape)
 
 
 @jax.custom_batching.custom_vmap
-def _mlp_rows(x, g, eps, wg, wu, wd):
+def _mlp_rows(xs, g, eps, wg, wu, wd):
     if load_kernel() is None:
         return jax.lax.platform_dependent(
-            x, g, eps, wg, wu, wd, cpu=_mlp_native, default=_mlp_reference
+            xs, g, eps, wg, wu, wd, cpu=_mlp_native, default=_mlp_reference
         )
-    return _mlp_reference(x, g, eps, wg, wu, wd)
+    return _mlp_reference(xs, g, eps, wg, wu, wd)
 
 
 @_mlp_rows.def_vmap
-def _mlp_rows_vmap(axis_size, in_batched, x, *rest):
+def _mlp_rows_vmap(axis_size, in_batched, xs, *rest):
     # As `_matmul_rows`: batched rows over shared weights stay rows of one call.
-    x_batched, *rest_batched = in_batched
+    xs_batched, *rest_batched = in_batched
     rest_batched = [any(jax.tree.leaves(b)) for b in rest_batched]
+    xs = tuple(
+        x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+        for x, b in zip(xs, xs_batched, strict=True)
+    )
     if not any(rest_batched):
-        return _mlp_rows(x, *rest), x_batched
-    xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        return _mlp_rows(xs, *rest), True
     axes = tuple(0 if b else None for b in rest_batched)
     return jax.vmap(_mlp_reference, (0, *axes))(xs, *rest), True
 
 
 @jax.custom_jvp
-def _mlp(x, g, eps, wg, wu, wd):
-    return _mlp_rows(x, g, eps, wg, wu, wd)
+def _mlp(xs, g, eps, wg, wu, wd):
+    return _mlp_rows(xs, g, eps, wg, wu, wd)
 
 
 @_mlp.defjvp
@@ -600,19 +612,25 @@ def _mlp_jvp(primals, tangents):
 
 
 def mlp_block(
-    x: Float[Array, "*rows dim"], norm: RMSNorm, mlp: SwiGLU
+    x: Float[Array, "*rows dim"],
+    norm: RMSNorm,
+    mlp: SwiGLU,
+    plus: Float[Array, "*rows dim"] | None = None,
 ) -> Float[Array, "*rows dim"]:
-    r"""A pre-norm block's MLP with its residual, $x + \mathrm{mlp}(\mathrm{norm}(x))$. With
-    packed weights without biases, all of `x`'s dtype (a `Decoder`'s on CPU), one call of
-    treeattn's C++ kernel: the norm (its statistics in float32, rounded as `RMSNorm` rounds),
-    the gated product (`gated_product`), the down product and the sum; differentiated, or
-    elsewhere, the same computed unfused (`_mlp_reference`)."""
+    r"""A pre-norm block's MLP with its residual, $h + \mathrm{mlp}(\mathrm{norm}(h))$ for
+    $h = x$, or $h = x + \mathrm{plus}$ (the block's first residual sum, what attention
+    added). With packed weights without biases, all of `x`'s dtype (a `Decoder`'s on CPU),
+    one call of treeattn's C++ kernel: the sum, the norm (its statistics in float32, rounded
+    as `RMSNorm` rounds), the gated product (`gated_product`), the down product and the
+    residual; differentiated, or elsewhere, the same computed unfused (`_mlp_reference`)."""
     g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    xs = (x,) if plus is None else (x, plus)
     fuses = (
         g.bias is None
         and u.bias is None
         and d.bias is None
         and gated_fuses(x, g.weight, u.weight)
+        and all(a.dtype == x.dtype and a.shape == x.shape for a in xs)
         and isinstance(d.weight, PackedWeight)
         and d.weight.dtype == x.dtype
         and d.weight.shape == (x.shape[-1], g.weight.shape[0])
@@ -620,5 +638,118 @@ def mlp_block(
         and norm.weight.shape == x.shape[-1:]
     )
     if not fuses:
-        return x + mlp(norm(x))
-    return _mlp(x, norm.weight, jnp.float32(norm.eps), g.weight, u.weight, d.weight)
+        h = x if plus is None else x + plus
+        return h + mlp(norm(h))
+    return _mlp(xs, norm.weight, jnp.float32(norm.eps), g.weight, u.weight, d.weight)
+
+
+def _qkv_reference(x, g, eps, wq, wk, wv, cos, sin):
+    r"""A pre-norm attention's inputs unfused: the q, k and v projections of
+    $\mathrm{RMSNorm}(x)$, q and k turned by the rotary tables in heads of `cos`'s width
+    (differentiable, every platform)."""
+    q, k, v = _matmuls(_rms_norm(x, g, eps), (wq, wk, wv))
+    d = cos.shape[-1]
+
+    def turn(y):
+        return _rotate(y.reshape(*y.shape[:-1], -1, d), (cos, sin)).reshape(y.shape)
+
+    return turn(q), turn(k), v
+
+
+def _qkv_native(x, g, eps, wq, wk, wv, cos, sin):
+    """The same by treeattn's C++ kernel in one call: the norm, one packed product for the
+    three weights and the rotation (where XLA:CPU ran seven operations per layer)."""
+    ws = (wq, wk, wv)
+    d = cos.shape[-1]
+    # The results as heads [*rows, heads, d]: reshaped into heads after the call, XLA:CPU
+    # copied each (a layout of their unit axes it did not see was the same).
+    outs = [jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0] // d, d), x.dtype) for w in ws]
+    layers = np.array([-1 if w.layer is None else w.layer for w in ws], np.int64)
+    rows, n = x.reshape(-1, x.shape[-1]), math.prod(x.shape[:-1])
+    tables = (t.reshape(n, d) for t in (cos, sin))
+    q, k, v = jax.ffi.ffi_call(QKV_TARGET, outs)(
+        rows, g, eps, *tables, *(w.panels for w in ws), layers=layers
+    )
+    return tuple(y.reshape(*x.shape[:-1], -1) for y in (q, k, v))
+
+
+@jax.custom_batching.custom_vmap
+def _qkv_rows(x, g, eps, wq, wk, wv, cos, sin):
+    args = (x, g, eps, wq, wk, wv, cos, sin)
+    if load_kernel() is None:
+        return jax.lax.platform_dependent(*args, cpu=_qkv_native, default=_qkv_reference)
+    return _qkv_reference(*args)
+
+
+@_qkv_rows.def_vmap
+def _qkv_rows_vmap(axis_size, in_batched, x, g, eps, wq, wk, wv, cos, sin):
+    # As `_matmul_rows`: batched rows (and their angles) over shared weights stay rows of one
+    # call; the tables follow x's rows.
+    x_b, g_b, eps_b, *w_b, cos_b, sin_b = (any(jax.tree.leaves(b)) for b in in_batched)
+    out_batched = (True, True, True)
+    if not (g_b or eps_b or any(w_b)):
+        if not (x_b or cos_b or sin_b):
+            return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin), (False,) * 3
+
+        def rows(a, b):
+            return a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+        x, cos, sin = rows(x, x_b), rows(cos, cos_b), rows(sin, sin_b)
+        return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin), out_batched
+    axes = tuple(0 if b else None for b in (x_b, g_b, eps_b, *w_b, cos_b, sin_b))
+    return jax.vmap(_qkv_reference, axes)(x, g, eps, wq, wk, wv, cos, sin), out_batched
+
+
+@jax.custom_jvp
+def _qkv(x, g, eps, wq, wk, wv, cos, sin):
+    return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin)
+
+
+@_qkv.defjvp
+def _qkv_jvp(primals, tangents):
+    return jax.jvp(_qkv_reference, primals, tangents)  # differentiated: the unfused form
+
+
+def qkv_fuses(x, norm, projs: tuple[eqx.nn.Linear, ...], rotary) -> bool:
+    """Whether `qkv_block` computes `x`'s attention inputs in one call: an `RMSNorm`, q, k and
+    v projections of packed weights without biases, all of `x`'s dtype (float32 or bfloat16),
+    and a rotary embedding over whole heads."""
+    weights = tuple(p.weight for p in projs)
+    return (
+        isinstance(norm, RMSNorm)
+        and isinstance(rotary, RotaryEmbedding)
+        and len(projs) == 3
+        and all(isinstance(w, PackedWeight) and w.dtype == x.dtype for w in weights)
+        and all(p.bias is None for p in projs)
+        and x.dtype in NATIVE_DTYPES
+        and norm.weight.dtype == x.dtype
+        and norm.weight.shape == x.shape[-1:]
+        and all(w.shape[1:] == x.shape[-1:] for w in weights)
+        and all(w.shape[0] % rotary.dim == 0 for w in weights[:2])
+        and math.prod(x.shape[:-1]) >= 1
+    )
+
+
+def qkv_block(
+    x: Float[Array, "*rows dim"],
+    norm: RMSNorm,
+    projs: tuple[eqx.nn.Linear, eqx.nn.Linear, eqx.nn.Linear],
+    rotary: RotaryEmbedding,
+    positions: Int[Array, "*rows"],
+) -> tuple[Float[Array, "*rows q"], Float[Array, "*rows k"], Float[Array, "*rows v"]]:
+    r"""A pre-norm self-attention's inputs: $n = \mathrm{norm}(x)$, its projections
+    $q, k, v = n W_q^\top, n W_k^\top, n W_v^\top$ (flat, heads side by side), q and k turned
+    by `rotary` at `positions`. Where `qkv_fuses` (a `Decoder`'s packed weights on CPU) one
+    call of treeattn's C++ kernel, the norm and the rotation rounded as `RMSNorm` and
+    `RotaryEmbedding` round; differentiated, or elsewhere, the same unfused
+    (`_qkv_reference`)."""
+    if not qkv_fuses(x, norm, projs, rotary):
+        raise ValueError(
+            f"qkv_block: an RMSNorm, three projections of packed weights without biases and a "
+            f"rotary embedding, all of x's dtype; got x {x.dtype}{list(x.shape)}, weights "
+            f"{[(str(p.weight.dtype), list(p.weight.shape)) for p in projs]}"
+        )
+    cos, sin = rotary.angles(positions.reshape(-1))
+    cos, sin = (t.reshape(*x.shape[:-1], rotary.dim) for t in (cos, sin))
+    wq, wk, wv = (p.weight for p in projs)
+    return _qkv(x, norm.weight, jnp.float32(norm.eps), wq, wk, wv, cos, sin)

@@ -73,14 +73,15 @@ class DecoderBlock(eqx.Module):
         )
 
     def __call__(self, x, cache: Cache | None, backend: AttentionBackend | None, segment_ids=None):
-        h = self.input_layernorm(x)
+        norm = self.input_layernorm  # x + attn(norm(x)): on packed weights one call to heads
         if cache is None:
-            attn = self.self_attn(h, h, h, backend=backend, segment_ids=segment_ids)
+            attn = self.self_attn(x, x, x, backend=backend, segment_ids=segment_ids, norm=norm)
             new_cache = None
         else:
-            attn, new_cache = self.self_attn(h, h, h, cache=cache, backend=backend)
-        x = x + attn
-        x = mlp_block(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
+            attn, new_cache = self.self_attn(x, x, x, cache=cache, backend=backend, norm=norm)
+        # h = x + attn, then h + mlp(norm(h)): on packed weights one call.
+        assert not isinstance(attn, tuple)
+        x = mlp_block(x, self.post_attention_layernorm, self.mlp, attn)
         return x, new_cache
 
     def _attention_inputs(self, x, segment_ids=None) -> tuple[Array, Array, Array]:
