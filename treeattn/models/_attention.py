@@ -228,10 +228,11 @@ class MultiheadAttention(eqx.Module):
             if (
                 process_heads is None
                 and self.query_norm is None
+                and self.rotary is not None
+                and self.rotary.dim == self.qk_size
                 and qkv_fuses(query, norm, projs, self.rotary)
             ):
                 # The norm, the three projections and the rotation in one call (packed weights).
-                assert self.rotary is not None
                 q, k, v = qkv_block(query, norm, projs, self.rotary, q_pos)
                 heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
                 q, k, v = (y.reshape(q_seq, h, -1) for y, h in zip((q, k, v), heads, strict=True))

@@ -458,11 +458,7 @@ class KVCache(eqx.Module):
         if n > self.max_len:
             raise ValueError(_overflow_message(n, None, self.max_len))
         overflow = self.length + n > self.max_len
-        if self.layout == "bhsd" and n == 1:
-            # One token: the same as the swap below, but XLA:CPU copied the swap of the unit
-            # axis (a decode step's k and v, every layer) where a reshape is free.
-            k, v = k.reshape(heads, 1, qk), v.reshape(heads, 1, vo)
-        elif self.layout == "bhsd":
+        if self.layout == "bhsd":
             k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # the new tokens only
         k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
         if self.devices == 1:
