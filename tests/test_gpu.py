@@ -281,8 +281,8 @@ def test_packed_mlp_and_gate_lower_for_cuda_without_the_cpu_kernel():
     block = lambda x: mlp_block(x, norm, packed)  # noqa: E731
     gate = lambda x: gated_product(x, packed.gate_proj.weight, packed.up_proj.weight)  # noqa: E731
     projs = tuple(
-        eqx.nn.Linear(64, o, use_bias=False, key=jax.random.key(o))
-        for o in (64, 32, 32)  # noqa: B023
+        eqx.nn.Linear(64, o, use_bias=False, key=jax.random.key(i))
+        for i, o in enumerate((64, 32, 32))
     )
     projs = tuple(eqx.tree_at(lambda p: p.weight, p, PackedWeight.of(p.weight)) for p in projs)
     heads = lambda x: qkv_block(x, norm, projs, RotaryEmbedding(16), jnp.arange(8))  # noqa: E731

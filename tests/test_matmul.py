@@ -411,7 +411,7 @@ def test_packed_by_xla_matches_float64(dtype, getkey):
 
 @needs_kernel
 def test_a_packed_layer_projects_q_k_v_in_one_call():
-    """A decoder's prepared model: its projections packed, q, k and v one call of three."""
+    """A decoder's prepared model: its projections packed, each layer six calls."""
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=64,
@@ -435,11 +435,13 @@ def test_a_packed_layer_projects_q_k_v_in_one_call():
         ]
         assert ops[1] - ops[0] == 2 * 8, (batch, ops)
     packed = "treeattn_cpu_matmul_packed"
-    # Each layer's norm, q, k and v products and rotary are one call; o and the logits.
-    assert matmul_calls(text, "treeattn_cpu_qkv") == [3 + 4] * 2  # x, norm, eps, cos, sin
+    # Each layer's norm, q, k and v products and rotary are one call (its operands: x, the
+    # norm's weight, eps, cos, sin and the three weights); then o, and the logits.
+    assert matmul_calls(text, "treeattn_cpu_qkv") == [7] * 2
     assert matmul_calls(text, packed) == [1] * 3
-    # Each layer's MLP (norm, gate and up, silu, down, residual) is one call.
-    assert text.count('custom_call_target="treeattn_cpu_mlp"') == 2
+    # Each layer's MLP (both residual sums, norm, gate and up, silu, down) is one call: x, the
+    # norm's weight, eps, the attention's output and the three weights.
+    assert matmul_calls(text, "treeattn_cpu_mlp") == [6] * 2
     assert matmul_calls(text) == [] and "logistic" not in text and "exponential" not in text
 
 
@@ -623,10 +625,11 @@ def qkv_float64(x, g, eps, ws, inv_freq, positions):
     return turn(q), turn(k), v
 
 
-def packed_qkv(n, heads, kv_heads, d, dtype, key):
-    """An RMSNorm, q/k/v projections of random weights (as arrays and packed) and a rotary."""
+def packed_qkv(n, heads, kv_heads, d, dtype, key, dv=None):
+    """An RMSNorm, q/k/v projections of random weights (as arrays and packed) and a rotary
+    (heads of d for q and k, of `dv`, default d, for v)."""
     k1, k2 = jax.random.split(key)
-    outs = (heads * d, kv_heads * d, kv_heads * d)
+    outs = (heads * d, kv_heads * d, kv_heads * (dv or d))
     projs = tuple(
         eqx.nn.Linear(n, o, use_bias=False, dtype=dtype, key=k)
         for o, k in zip(outs, jax.random.split(k1, 3), strict=True)
@@ -657,15 +660,17 @@ def unfused_qkv(x, norm, projs, rotary, positions):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "shape", [(20, 2, 1, 8), (64, 4, 2, 16), (256, 4, 1, 64), (96, 3, 3, 32)], ids=str
+    "shape",
+    [(20, 2, 1, 8, 8), (64, 4, 2, 16, 12), (256, 4, 1, 64, 64), (96, 3, 3, 32, 40)],
+    ids=str,
 )
 @pytest.mark.parametrize("rows", [(1,), (8,), (2, 5), (33,)])
 def test_qkv_block_matches_float64(rows, shape, dtype, getkey):
     """A pre-norm attention's inputs (norm, q/k/v products, rotary) in one call on packed
     weights: against float64, as close as the unfused form on the arrays (positions far
-    apart; heads of 8 to 64, widths not a multiple of a vector)."""
-    n, heads, kv_heads, d = shape
-    norm, projs, packed, rotary = packed_qkv(n, heads, kv_heads, d, dtype, getkey())
+    apart; heads of 8 to 64, widths not a multiple of a vector, value heads of other sizes)."""
+    n, heads, kv_heads, d, dv = shape
+    norm, projs, packed, rotary = packed_qkv(n, heads, kv_heads, d, dtype, getkey(), dv)
     x = jax.random.normal(getkey(), (*rows, n)).astype(dtype)
     positions = jax.random.randint(getkey(), rows, 0, 5000)
     assert qkv_fuses(x, norm, packed, rotary) and not qkv_fuses(x, norm, projs, rotary)
@@ -723,11 +728,14 @@ def test_qkv_block_vmap_stack_and_derivatives(getkey):
         for a, b in zip(got, unfused_qkv(x[i], norm, arrays, rotary, pos[i]), strict=True):
             np.testing.assert_allclose(a[i], b, **close)
 
-    def loss(f, projs):
-        return lambda x: sum(jnp.sum(jnp.sin(y)) for y in f(x, norm, projs, rotary, pos[1]))
+    def loss(f):
+        return lambda x, p: sum(jnp.sum(jnp.sin(y)) for y in f(x, norm, p, rotary, pos[1]))
 
-    gx = jax.grad(loss(qkv_block, packed))(x[0])
-    np.testing.assert_allclose(gx, jax.grad(loss(unfused_qkv, projs))(x[0]), **close)
+    gx, gp = jax.grad(loss(qkv_block), argnums=(0, 1))(x[0], packed)
+    rx, rp = jax.grad(loss(unfused_qkv), argnums=(0, 1))(x[0], projs)
+    np.testing.assert_allclose(gx, rx, **close)
+    for g, r in zip(gp, rp, strict=True):  # the weights' gradients, packed as the weights
+        np.testing.assert_allclose(g.weight.unpack(), r.weight, **close)
     check_grads(
         lambda x: qkv_block(x, norm, packed, rotary, pos[1]),
         (x[0],),
@@ -752,6 +760,8 @@ def test_qkv_block_refuses_what_it_does_not_fuse(getkey):
         assert not qkv_fuses(*args)
         with pytest.raises(ValueError, match="qkv_block: an RMSNorm, three projections"):
             qkv_block(*args, pos)
+    with pytest.raises(ValueError, match=r"positions must have x's rows' shape \[2\], got \[3\]"):
+        qkv_block(x, norm, packed, rotary, jnp.arange(3))
 
 
 def test_attention_with_norm_is_attention_of_the_normed_input(getkey):
@@ -774,6 +784,8 @@ def test_attention_with_norm_is_attention_of_the_normed_input(getkey):
     close = {"rtol": 1e-5, "atol": 1e-5}
     np.testing.assert_allclose(layer(x, x, x, norm=norm), layer(h, h, h), **close)
     np.testing.assert_allclose(packed(x, x, x, norm=norm), layer(h, h, h), **close)
+    text = jax.jit(lambda x: packed(x, x, x, norm=norm)).lower(x).compile().as_text()
+    assert text.count('custom_call_target="treeattn_cpu_qkv"') == (load_kernel() is None)
     cache = layer.init_cache(8)
     want, want_cache = layer(h, h, h, cache=cache)
     for m in (layer, packed):

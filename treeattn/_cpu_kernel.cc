@@ -1,8 +1,8 @@
 // treeattn's kernels for XLA:CPU, called through the XLA FFI: the "cpu" backend of
 // treeattn.decode.flash_attention (fused attention with (out, lse)), the few-row matrix
-// product of treeattn.models.matmul, SwiGLU's gate and a pre-norm block's MLP on packed
-// weights, and a KV cache's in-place write. treeattn compiles this file with the host's C++
-// compiler on first use (see _native.py).
+// product of treeattn.models.matmul, SwiGLU's gate, a pre-norm block's MLP and a pre-norm
+// attention's inputs (norm, q/k/v, rotary) on packed weights, and a KV cache's in-place write.
+// treeattn compiles this file with the host's C++ compiler on first use (see _native.py).
 //
 // For each batch row and kv head, the query rows of that head (group * q_seq of them) walk the
 // keys in blocks of kBlock with an online softmax: the logits of a block, then the rescaled
@@ -1975,7 +1975,11 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
   const int64_t in = xd.size() ? xd.back() : 0, rows = leading_rows(x);
   const size_t first = ws.size() == 4 ? 1 : 0;  // the weights after the optional addend
   std::optional<ffi::AnyBuffer> a;
-  if (first) a = ws.get<ffi::AnyBuffer>(0).value();
+  if (first) {
+    auto addend = ws.get<ffi::AnyBuffer>(0);
+    if (!addend.has_value()) return ffi::Error::InvalidArgument(who + ": the addend is a buffer");
+    a = *addend;
+  }
   if (xd.size() < 1 || (dtype != ffi::F32 && dtype != ffi::BF16) || ws.size() != 3 + first ||
       (a && (a->element_type() != dtype || a->element_count() != x.element_count())) ||
       layers.size() != 3 || g.element_type() != dtype ||
@@ -2071,7 +2075,12 @@ ffi::Error QkvBlock(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer g,
     return ffi::Error::InvalidArgument(
         who + ": x [..., in] (float32 or bfloat16), the norm's weight [in] of x's dtype and "
               "eps, the rotary tables cos and sin [..., d] (a row per row of x, d even), then "
-              "the q, k and v weights; q and k of whole heads of d");
+              "the q, k and v weights; q and k of whole heads of d. Got rows " +
+        std::to_string(rows) + ", in " + std::to_string(in) + ", d " + std::to_string(d) +
+        ", a norm weight of " + std::to_string(g.element_count()) + ", tables of " +
+        std::to_string(cos.element_count()) + " and " + std::to_string(sin.element_count()) +
+        ", " + std::to_string(ws.size()) + " weights, " + std::to_string(results.size()) +
+        " results");
   }
   std::vector<MmWeight> weights;
   const std::string bad = packed_operands(who, x, ws, results, layers, weights);

@@ -1,8 +1,8 @@
 """treeattn's C++ kernels for XLA:CPU, built from `_cpu_kernel.cc` on first use: the decode
 attention of `treeattn.decode`'s `"cpu"` backend, the matrix products of
 `treeattn.models.matmul` (few rows on `[out, in]` weights, any number on packed ones), SwiGLU's
-gate and a pre-norm block's MLP on packed weights (one call each), and the in-place slice write
-of a KV cache (16-bit, or a batch's rows).
+gate, a pre-norm block's MLP and a pre-norm attention's inputs on packed weights (one call each),
+and the in-place slice write of a KV cache (16-bit, or a batch's rows).
 
 The kernel is compiled with the host's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`)
 against the XLA FFI headers of the running jaxlib, for the host CPU (`-march=native`), and kept

@@ -190,15 +190,12 @@ class MultiheadAttention(eqx.Module):
         self.backend = AttentionBackend.of(backend, mesh, kv_axis)
 
     def _project(self, query, key_, value):
-        """The query, key and value heads; self-attention's three projections of one input
-        are one product call."""
+        """The query, key and value projections (flat); self-attention's three projections of
+        one input are one product call."""
         projs = (self.query_proj, self.key_proj, self.value_proj)
-        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         if query is key_ and key_ is value:
-            ys = apply_linears(projs, query)
-        else:
-            ys = tuple(apply_linear(p, x) for p, x in zip(projs, (query, key_, value), strict=True))
-        return tuple(y.reshape(y.shape[0], h, -1) for y, h in zip(ys, heads, strict=True))
+            return apply_linears(projs, query)
+        return tuple(apply_linear(p, x) for p, x in zip(projs, (query, key_, value), strict=True))
 
     def _heads(
         self, query, key_, value, *, process_heads=None, cache=None, segment_ids=None, norm=None
@@ -224,6 +221,7 @@ class MultiheadAttention(eqx.Module):
             k_pos = q_pos = positions_in_segments(segment_ids)
             packed = segment_ids[None]
         projs = (self.query_proj, self.key_proj, self.value_proj)
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         if norm is not None:
             if (
                 process_heads is None
@@ -232,13 +230,13 @@ class MultiheadAttention(eqx.Module):
                 and self.rotary.dim == self.qk_size
                 and qkv_fuses(query, norm, projs, self.rotary)
             ):
-                # The norm, the three projections and the rotation in one call (packed weights).
-                q, k, v = qkv_block(query, norm, projs, self.rotary, q_pos)
-                heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
-                q, k, v = (y.reshape(q_seq, h, -1) for y, h in zip((q, k, v), heads, strict=True))
+                # Already rotated; on CPU one call where XLA ran seven operations per layer.
+                ys = qkv_block(query, norm, projs, self.rotary, q_pos)
+                q, k, v = (y.reshape(q_seq, h, -1) for y, h in zip(ys, heads, strict=True))
                 return q, k, v, q.dtype, q_offset, packed
             query = key_ = value = norm(query)
-        q, k, v = self._project(query, key_, value)
+        ys = self._project(query, key_, value)
+        q, k, v = (y.reshape(y.shape[0], h, -1) for y, h in zip(ys, heads, strict=True))
         # Query and key/value heads of different dtypes: one dtype, as Equinox's einsums promote.
         with jax.numpy_dtype_promotion("standard"):
             heads_dtype = jnp.result_type(q, k, v)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -616,7 +617,10 @@ def _native_write(buffer, updates, starts):
     out = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
     dims = np.array(updates.shape, np.int64)
     return jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0})(
-        buffer, updates.reshape(updates.shape[0], -1), starts.astype(jnp.int32), dims=dims
+        buffer,
+        updates.reshape(len(updates), math.prod(updates.shape[1:])),
+        starts.astype(jnp.int32),
+        dims=dims,
     )
 
 

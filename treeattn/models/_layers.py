@@ -33,6 +33,16 @@ def _dot_array(x, w):
     return jax.lax.dot_general(x, w, dims)
 
 
+def _layers_of(ws) -> np.ndarray:
+    """The `layers` attribute of a packed call: each weight's layer in its stack, -1 for none."""
+    return np.array([-1 if w.layer is None else w.layer for w in ws], np.int64)
+
+
+def _batched(x, batched: bool, axis_size: int):
+    """`x` with the vmapped axis in front: as it is when batched, else broadcast."""
+    return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+
 def _native(x, ws):
     """`_dot` of `x` with each weight of `ws`, by treeattn's C++ product for XLA:CPU
     (`treeattn/_cpu_kernel.cc`): one call for all the weights, whose threads stream each one's
@@ -41,8 +51,9 @@ def _native(x, ws):
     rows = x.reshape(-1, x.shape[-1])
     outs = [jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), x.dtype) for w in ws]
     if isinstance(ws[0], PackedWeight):
-        layers = np.array([-1 if w.layer is None else w.layer for w in ws], np.int64)
-        ys = jax.ffi.ffi_call(PACKED_TARGET, outs)(rows, *(w.panels for w in ws), layers=layers)
+        ys = jax.ffi.ffi_call(PACKED_TARGET, outs)(
+            rows, *(w.panels for w in ws), layers=_layers_of(ws)
+        )
     else:
         ys = jax.ffi.ffi_call(MATMUL_TARGET, outs)(rows, *ws)
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws, strict=True))
@@ -264,7 +275,7 @@ def _matmul_rows_vmap(axis_size, in_batched, x, ws):
     ws_batched = [any(jax.tree.leaves(b)) for b in ws_batched]  # a PackedWeight is a tree
     if not any(ws_batched):
         return _matmul_rows(x, ws), (x_batched,) * len(ws)
-    xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    xs = _batched(x, x_batched, axis_size)
     out = tuple(
         jax.vmap(_dot, (0, 0 if batched else None))(xs, w)
         for w, batched in zip(ws, ws_batched, strict=True)
@@ -318,8 +329,7 @@ def _gated_native(x, wg, wu):
     of 704)."""
     rows = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((rows.shape[0], wg.shape[0]), x.dtype)
-    layers = np.array([-1 if w.layer is None else w.layer for w in (wg, wu)], np.int64)
-    y = jax.ffi.ffi_call(GATED_TARGET, out)(rows, wg.panels, wu.panels, layers=layers)
+    y = jax.ffi.ffi_call(GATED_TARGET, out)(rows, wg.panels, wu.panels, layers=_layers_of((wg, wu)))
     return y.reshape(*x.shape[:-1], wg.shape[0])
 
 
@@ -337,7 +347,7 @@ def _gated_rows_vmap(axis_size, in_batched, x, wg, wu):
     ws_batched = [any(jax.tree.leaves(b)) for b in ws_batched]
     if not any(ws_batched):
         return _gated_rows(x, wg, wu), x_batched
-    xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    xs = _batched(x, x_batched, axis_size)
     axes = tuple(0 if b else None for b in ws_batched)
     return jax.vmap(_gated_reference, (0, *axes))(xs, wg, wu), True
 
@@ -569,10 +579,9 @@ def _mlp_native(xs, g, eps, wg, wu, wd):
     product, the down product and the residual (one call where XLA:CPU ran nine operations
     per layer)."""
     rows = tuple(x.reshape(-1, x.shape[-1]) for x in xs)
-    layers = np.array([-1 if w.layer is None else w.layer for w in (wg, wu, wd)], np.int64)
     out = jax.ShapeDtypeStruct(rows[0].shape, xs[0].dtype)
     y = jax.ffi.ffi_call(MLP_TARGET, out)(
-        rows[0], g, eps, *rows[1:], wg.panels, wu.panels, wd.panels, layers=layers
+        rows[0], g, eps, *rows[1:], wg.panels, wu.panels, wd.panels, layers=_layers_of((wg, wu, wd))
     )
     return y.reshape(xs[0].shape)
 
@@ -591,10 +600,7 @@ def _mlp_rows_vmap(axis_size, in_batched, xs, *rest):
     # As `_matmul_rows`: batched rows over shared weights stay rows of one call.
     xs_batched, *rest_batched = in_batched
     rest_batched = [any(jax.tree.leaves(b)) for b in rest_batched]
-    xs = tuple(
-        x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-        for x, b in zip(xs, xs_batched, strict=True)
-    )
+    xs = tuple(_batched(x, b, axis_size) for x, b in zip(xs, xs_batched, strict=True))
     if not any(rest_batched):
         return _mlp_rows(xs, *rest), True
     axes = tuple(0 if b else None for b in rest_batched)
@@ -659,18 +665,18 @@ def _qkv_reference(x, g, eps, wq, wk, wv, cos, sin):
 def _qkv_native(x, g, eps, wq, wk, wv, cos, sin):
     """The same by treeattn's C++ kernel in one call: the norm, one packed product for the
     three weights and the rotation (where XLA:CPU ran seven operations per layer)."""
-    ws = (wq, wk, wv)
-    d = cos.shape[-1]
-    # The results as heads [*rows, heads, d]: reshaped into heads after the call, XLA:CPU
-    # copied each (a layout of their unit axes it did not see was the same).
-    outs = [jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0] // d, d), x.dtype) for w in ws]
-    layers = np.array([-1 if w.layer is None else w.layer for w in ws], np.int64)
-    rows, n = x.reshape(-1, x.shape[-1]), math.prod(x.shape[:-1])
+    d, lead = cos.shape[-1], x.shape[:-1]
+    # q and k come out as heads [*rows, heads, d]: reshaped into heads after the call, XLA:CPU
+    # copied each (a layout of their unit axes it did not see was the same). v stays flat.
+    outs = [jax.ShapeDtypeStruct((*lead, w.shape[0] // d, d), x.dtype) for w in (wq, wk)]
+    outs.append(jax.ShapeDtypeStruct((*lead, wv.shape[0]), x.dtype))
+    rows, n = x.reshape(-1, x.shape[-1]), math.prod(lead)
     tables = (t.reshape(n, d) for t in (cos, sin))
+    ws = (wq, wk, wv)
     q, k, v = jax.ffi.ffi_call(QKV_TARGET, outs)(
-        rows, g, eps, *tables, *(w.panels for w in ws), layers=layers
+        rows, g, eps, *tables, *(w.panels for w in ws), layers=_layers_of(ws)
     )
-    return tuple(y.reshape(*x.shape[:-1], -1) for y in (q, k, v))
+    return q.reshape(*lead, -1), k.reshape(*lead, -1), v
 
 
 @jax.custom_batching.custom_vmap
@@ -691,10 +697,7 @@ def _qkv_rows_vmap(axis_size, in_batched, x, g, eps, wq, wk, wv, cos, sin):
         if not (x_b or cos_b or sin_b):
             return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin), (False,) * 3
 
-        def rows(a, b):
-            return a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-
-        x, cos, sin = rows(x, x_b), rows(cos, cos_b), rows(sin, sin_b)
+        x, cos, sin = (_batched(a, b, axis_size) for a, b in ((x, x_b), (cos, cos_b), (sin, sin_b)))
         return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin), out_batched
     axes = tuple(0 if b else None for b in (x_b, g_b, eps_b, *w_b, cos_b, sin_b))
     return jax.vmap(_qkv_reference, axes)(x, g, eps, wq, wk, wv, cos, sin), out_batched
@@ -710,7 +713,9 @@ def _qkv_jvp(primals, tangents):
     return jax.jvp(_qkv_reference, primals, tangents)  # differentiated: the unfused form
 
 
-def qkv_fuses(x, norm, projs: tuple[eqx.nn.Linear, ...], rotary) -> bool:
+def qkv_fuses(
+    x: Array, norm: object, projs: tuple[eqx.nn.Linear, ...], rotary: RotaryEmbedding | None
+) -> bool:
     """Whether `qkv_block` computes `x`'s attention inputs in one call: an `RMSNorm`, q, k and
     v projections of packed weights without biases, all of `x`'s dtype (float32 or bfloat16),
     and a rotary embedding over whole heads."""
@@ -744,10 +749,17 @@ def qkv_block(
     `RotaryEmbedding` round; differentiated, or elsewhere, the same unfused
     (`_qkv_reference`)."""
     if not qkv_fuses(x, norm, projs, rotary):
+        weights = [(type(p.weight).__name__, str(p.weight.dtype), p.weight.shape) for p in projs]
         raise ValueError(
             f"qkv_block: an RMSNorm, three projections of packed weights without biases and a "
-            f"rotary embedding, all of x's dtype; got x {x.dtype}{list(x.shape)}, weights "
-            f"{[(str(p.weight.dtype), list(p.weight.shape)) for p in projs]}"
+            f"rotary embedding over whole heads of q and k, all of x's dtype; got x "
+            f"{x.dtype}{list(x.shape)}, norm {type(norm).__name__}, weights {weights}, rotary "
+            f"of dim {getattr(rotary, 'dim', None)}"
+        )
+    if tuple(positions.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"qkv_block: positions must have x's rows' shape {list(x.shape[:-1])}, got "
+            f"{list(positions.shape)}"
         )
     cos, sin = rotary.angles(positions.reshape(-1))
     cos, sin = (t.reshape(*x.shape[:-1], rotary.dim) for t in (cos, sin))

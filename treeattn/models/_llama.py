@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -80,14 +81,13 @@ class DecoderBlock(eqx.Module):
         else:
             attn, new_cache = self.self_attn(x, x, x, cache=cache, backend=backend, norm=norm)
         # h = x + attn, then h + mlp(norm(h)): on packed weights one call.
-        assert not isinstance(attn, tuple)
-        x = mlp_block(x, self.post_attention_layernorm, self.mlp, attn)
+        x = mlp_block(x, self.post_attention_layernorm, self.mlp, cast(Array, attn))
         return x, new_cache
 
     def _attention_inputs(self, x, segment_ids=None) -> tuple[Array, Array, Array]:
         """The heads `(q, k, v)` that `self(x, None, ...)` attends with."""
-        h = self.input_layernorm(x)
-        q, k, v, *_ = self.self_attn._heads(h, h, h, segment_ids=segment_ids)
+        norm = self.input_layernorm
+        q, k, v, *_ = self.self_attn._heads(x, x, x, segment_ids=segment_ids, norm=norm)
         return q, k, v
 
 
