@@ -1883,6 +1883,14 @@ void rms_norm_rows(ffi::ThreadPool& pool, const T* x, const T* g, float eps, int
   });
 }
 
+// out[i] = a[i] + b[i] for i in [i0, i1), in float32, rounded to T.
+template <typename T>
+inline void add_range(const T* a, const T* b, T* out, int64_t i0, int64_t i1) {
+  int64_t i = i0;
+  for (; i + kLanes <= i1; i += kLanes) vstore(out + i, vload(a + i) + vload(b + i));
+  for (; i < i1; ++i) store(out + i, load(a + i) + load(b + i));
+}
+
 // A pre-norm block's MLP in one call, y = h + W_d(silu(W_g n) * W_u n) with n = RMSNorm(h),
 // h = x, or x + a rounded to T (the block's first residual sum, where a is not null): the
 // norm (rms_norm_rows), the gated product, the down product, the residual sum rounded to T.
@@ -1892,10 +1900,7 @@ void mlp_block(ffi::ThreadPool& pool, const T* x, const T* a, const T* g, float 
   std::vector<T> normed(rows * in), act(rows * gated[0].out), sum(rows * in);
   std::vector<T> h(a ? rows * in : 0);
   if (a) {
-    const int64_t n = rows * in;
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) vstore(h.data() + i, vload(x + i) + vload(a + i));
-    for (; i < n; ++i) store(h.data() + i, load(x + i) + load(a + i));
+    add_range(x, a, h.data(), 0, rows * in);
     x = h.data();
   }
   rms_norm_rows(pool, x, g, eps, rows, in, normed.data());
@@ -1906,10 +1911,7 @@ void mlp_block(ffi::ThreadPool& pool, const T* x, const T* a, const T* g, float 
   matmul_packed(pool, act.data(), rows, gated[0].out, d);
   const int64_t per = rows_per_block(in);
   parallel_for(pool, (rows + per - 1) / per, [&](int64_t b) {
-    const int64_t i0 = b * per * in, i1 = std::min(rows, (b + 1) * per) * in;
-    int64_t i = i0;
-    for (; i + kLanes <= i1; i += kLanes) vstore(y + i, vload(x + i) + vload(sum.data() + i));
-    for (; i < i1; ++i) store(y + i, load(x + i) + load(sum.data() + i));
+    add_range(x, sum.data(), y, b * per * in, std::min(rows, (b + 1) * per) * in);
   });
 }
 

@@ -694,9 +694,6 @@ def _qkv_rows_vmap(axis_size, in_batched, x, g, eps, wq, wk, wv, cos, sin):
     x_b, g_b, eps_b, *w_b, cos_b, sin_b = (any(jax.tree.leaves(b)) for b in in_batched)
     out_batched = (True, True, True)
     if not (g_b or eps_b or any(w_b)):
-        if not (x_b or cos_b or sin_b):
-            return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin), (False,) * 3
-
         x, cos, sin = (_batched(a, b, axis_size) for a, b in ((x, x_b), (cos, cos_b), (sin, sin_b)))
         return _qkv_rows(x, g, eps, wq, wk, wv, cos, sin), out_batched
     axes = tuple(0 if b else None for b in (x_b, g_b, eps_b, *w_b, cos_b, sin_b))
